@@ -1,0 +1,89 @@
+"""The small interface every grouped-matmul backend implements.
+
+Legend: M rows (tokens after permute), K input features, N output features, E experts.
+
+A backend receives inputs the contract layer (``ops/grouped_matmul.py``) has already validated:
+``x_MK`` and ``w_EKN`` share dtype and device, ``group_ends_E`` is an integer tensor on that device
+holding inclusive cumulative row ends (non-decreasing, last == M). ``w_EKN`` may be any strided
+view (e.g. the transpose of an ``[E, N, K]`` parameter); a backend must not copy it per call
+unless its kernel cannot read that layout, and must say so in ``notes``.
+
+Every backend returns freshly computed tensors and guarantees:
+- every output element is written (no uninitialised rows);
+- ``grad_weight`` of an expert with zero rows is exactly zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+# forward(x_MK, w_EKN, group_ends_E) -> y_MN
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# grad_input(dy_MN, w_EKN, group_ends_E) -> dx_MK
+GradInputFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# grad_weight(x_MK, dy_MN, group_ends_E) -> dw_EKN
+GradWeightFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# refusal(x_MK, w_EKN) -> None when the backend can take these inputs, else the reason it cannot
+RefusalFn = Callable[[torch.Tensor, torch.Tensor], "str | None"]
+
+
+@dataclass(frozen=True)
+class GmmBackend:
+    """A grouped-matmul implementation and what it can do."""
+
+    name: str
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    forward: ForwardFn
+    grad_input: GradInputFn
+    grad_weight: GradWeightFn
+    supports_backward: bool = True
+    supports_compile: bool = True
+    # Returns None when usable in this process, else why not (missing package, no device...).
+    unavailable_reason: Callable[[], str | None] = lambda: None
+    # Extra per-input refusal beyond device and dtype (alignment, size limits...).
+    input_refusal: RefusalFn | None = None
+    notes: str = ""
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.isidentifier():
+            raise ValueError(f"backend name must be a non-empty identifier, got {self.name!r}")
+        if not self.devices:
+            raise ValueError(f"backend {self.name!r} must declare at least one device type")
+        if not self.dtypes:
+            raise ValueError(f"backend {self.name!r} must declare at least one dtype")
+        for fn_name in ("forward", "grad_input", "grad_weight"):
+            if not callable(getattr(self, fn_name)):
+                raise TypeError(f"backend {self.name!r}: {fn_name} must be callable")
+
+    def refusal(self, x_MK: torch.Tensor, w_EKN: torch.Tensor) -> str | None:
+        """Why this backend cannot run these inputs, or None if it can."""
+        reason = self.unavailable_reason()
+        if reason is not None:
+            return reason
+        if x_MK.device.type not in self.devices:
+            return f"device {x_MK.device.type!r} not in {sorted(self.devices)}"
+        if x_MK.dtype not in self.dtypes:
+            supported = sorted(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"dtype {str(x_MK.dtype).removeprefix('torch.')} not in {supported}"
+        if self.input_refusal is not None:
+            return self.input_refusal(x_MK, w_EKN)
+        return None
+
+
+def counts_from_ends(group_ends_E: torch.Tensor) -> torch.Tensor:
+    """Rows per expert from inclusive cumulative ends (stays on the ends' device)."""
+    starts_E = torch.cat([group_ends_E.new_zeros(1), group_ends_E[:-1]])
+    return group_ends_E - starts_E
+
+
+def host_bounds(group_ends_E: torch.Tensor) -> list[int]:
+    """``[0, end_0, ..., end_{E-1}]`` as Python ints.
+
+    Host sync: reads the group ends back from the device. Loop-style backends need it to slice.
+    """
+    return [0, *group_ends_E.tolist()]

@@ -1,0 +1,232 @@
+"""``grouped_matmul``: the operator contract.
+
+Legend: M rows (tokens after permute, grouped by expert), K input features, N output features,
+E experts. ``group_ends_E`` holds inclusive cumulative row ends: expert e owns rows
+``[group_ends_E[e-1], group_ends_E[e])`` (with ``group_ends_E[-1] == 0``), so an expert with zero
+rows owns an empty range and does not shift later ones.
+
+This module checks arguments, normalises ``group_list`` into ``group_ends_E`` on the input's device,
+picks a backend from the registry and runs three ``torch.library`` custom ops (forward,
+grad_input, grad_weight) whose autograd is registered here, so ``torch.compile(fullgraph=True)``
+traces callers without looking inside a backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from moe_gmm.ops.backends import get_backend, select_backend
+
+__all__ = ["GroupListType", "grouped_matmul", "normalize_group_list"]
+
+GroupListType = Literal["count", "cumsum"]
+_GROUP_LIST_TYPES = ("count", "cumsum")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops: what the compiler sees. Each takes the backend name so one op serves every backend.
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moe_gmm::grouped_matmul", mutates_args=())
+def _grouped_matmul_op(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+    return get_backend(backend).forward(x, weight, group_ends)
+
+
+@_grouped_matmul_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[2])
+
+
+@torch.library.custom_op("moe_gmm::grouped_matmul_grad_input", mutates_args=())
+def _grad_input_op(grad_out: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+    return get_backend(backend).grad_input(grad_out, weight, group_ends)
+
+
+@_grad_input_op.register_fake
+def _(grad_out: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+    return grad_out.new_empty(grad_out.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("moe_gmm::grouped_matmul_grad_weight", mutates_args=())
+def _grad_weight_op(x: torch.Tensor, grad_out: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+    return get_backend(backend).grad_weight(x, grad_out, group_ends)
+
+
+@_grad_weight_op.register_fake
+def _(x: torch.Tensor, grad_out: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+    return x.new_empty(group_ends.shape[0], x.shape[1], grad_out.shape[1])
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, group_ends, backend = inputs
+    ctx.backend = backend
+    ctx.save_for_backward(
+        x if weight.requires_grad else None,
+        weight if x.requires_grad else None,
+        group_ends,
+    )
+
+
+def _backward(ctx, grad_out: torch.Tensor):
+    x, weight, group_ends = ctx.saved_tensors
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _grad_input_op(grad_out, weight, group_ends, ctx.backend)
+    if ctx.needs_input_grad[1]:
+        grad_w = _grad_weight_op(x, grad_out, group_ends, ctx.backend)
+    return grad_x, grad_w, None, None
+
+
+torch.library.register_autograd("moe_gmm::grouped_matmul", _backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# The public boundary.
+# --------------------------------------------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def normalize_group_list(
+    group_list: torch.Tensor | Sequence[int],
+    *,
+    num_experts: int,
+    num_rows: int,
+    group_list_type: GroupListType = "count",
+    device: torch.device | str | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """``group_list`` (counts or inclusive cumsum) as int64 inclusive row ends on ``device``.
+
+    Raises ``TypeError`` for a non-integer group list and ``ValueError`` for a wrong length,
+    a negative count, a decreasing cumsum or a total other than ``num_rows``.
+    """
+    if group_list_type not in _GROUP_LIST_TYPES:
+        raise ValueError(f"group_list_type must be one of {_GROUP_LIST_TYPES}, got {group_list_type!r}")
+    if isinstance(group_list, torch.Tensor):
+        if group_list.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"group_list must be an int32 or int64 tensor, got dtype {_dtype_name(group_list.dtype)}")
+        if group_list.dim() != 1:
+            raise ValueError(f"group_list must be 1-D, got shape {tuple(group_list.shape)}")
+        values = group_list
+    elif isinstance(group_list, Sequence) and not isinstance(group_list, (str, bytes)):
+        for i, v in enumerate(group_list):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"group_list[{i}] must be an int, got {type(v).__name__} {v!r}")
+        values = torch.tensor(list(group_list), dtype=torch.int64)
+    else:
+        raise TypeError(f"group_list must be a 1-D integer tensor or a sequence of ints, got {type(group_list).__name__}")
+    if values.shape[0] != num_experts:
+        raise ValueError(
+            f"group_list must have one entry per expert: expected length {num_experts} "
+            f"(weight.shape[0]), got {values.shape[0]}"
+        )
+    if validate and not torch.compiler.is_compiling():
+        _check_group_values(values, num_rows=num_rows, group_list_type=group_list_type)
+    values = values.to(device=device, dtype=torch.int64, non_blocking=True)
+    return torch.cumsum(values, 0) if group_list_type == "count" else values
+
+
+def _check_group_values(values: torch.Tensor, *, num_rows: int, group_list_type: str) -> None:
+    # Host sync when group_list lives on an accelerator: the values are needed to validate them.
+    host = values.detach().to("cpu", torch.int64)
+    if host.numel() == 0:
+        total = 0
+    elif group_list_type == "count":
+        if bool((host < 0).any()):
+            bad = int(torch.nonzero(host < 0)[0, 0])
+            raise ValueError(f"group_list counts must be >= 0, got group_list[{bad}] = {int(host[bad])}")
+        total = int(host.sum())
+    else:
+        if int(host[0]) < 0:
+            raise ValueError(f"group_list cumsum must start >= 0, got group_list[0] = {int(host[0])}")
+        steps = host[1:] - host[:-1]
+        if bool((steps < 0).any()):
+            bad = int(torch.nonzero(steps < 0)[0, 0]) + 1
+            raise ValueError(
+                f"group_list cumsum must be non-decreasing, got group_list[{bad - 1}] = {int(host[bad - 1])} "
+                f"> group_list[{bad}] = {int(host[bad])}"
+            )
+        total = int(host[-1])
+    if total != num_rows:
+        what = "sum(group_list)" if group_list_type == "count" else "group_list[-1]"
+        raise ValueError(f"{what} must equal x.shape[0] = {num_rows}, got {total}")
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOAT_DTYPES:
+            supported = [_dtype_name(d) for d in _FLOAT_DTYPES]
+            raise TypeError(f"{name} must have a floating dtype in {supported}, got {_dtype_name(t.dtype)}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if weight.dim() != 3:
+        raise ValueError(f"weight must be 3-D [E, K, N], got shape {tuple(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"x and weight must share a dtype, got x {_dtype_name(x.dtype)} and weight {_dtype_name(weight.dtype)}")
+    if x.device != weight.device:
+        raise ValueError(f"x and weight must be on one device, got x on {x.device} and weight on {weight.device}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"x.shape[1] (K) must equal weight.shape[1]: got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight must hold at least one expert, got shape {tuple(weight.shape)}")
+
+
+def grouped_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_list: torch.Tensor | Sequence[int],
+    fused: bool = True,
+    *,
+    group_list_type: GroupListType = "count",
+    backend: str | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Multiply each expert's block of rows by that expert's weight: ``y[rows_e] = x[rows_e] @ weight[e]``.
+
+    Args:
+        x: ``[M, K]``, rows grouped contiguously by expert.
+        weight: ``[E, K, N]`` with any strides; a transposed view of an ``[E, N, K]`` parameter
+            is read in place, never copied per call.
+        group_list: length-E int32/int64 tensor (any device) or sequence of ints.
+        fused: ``False`` runs the eager per-expert loop (the reference); ``True`` the best backend
+            for the device and dtype.
+        group_list_type: ``"count"`` (rows per expert) or ``"cumsum"`` (inclusive row ends).
+        backend: force ``"eager"``, ``"torch"``, ``"triton"``, ``"npu"`` or a registered name;
+            ``"auto"`` or None picks (``$MOE_GMM_BACKEND`` is consulted when None).
+        validate: check group_list values (non-negative, monotone, total == M). This reads the
+            values on the host, a sync when group_list lives on an accelerator; under
+            ``torch.compile`` the value checks are skipped (shape checks remain).
+
+    Returns:
+        ``[M, N]`` in the input dtype; products accumulate in float32 (float64 for float64).
+    """
+    _check_operands(x, weight)
+    if not isinstance(fused, bool):
+        raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
+    if not fused:
+        if backend not in (None, "eager"):
+            raise ValueError(f"fused=False runs the eager reference; it conflicts with backend={backend!r}")
+        backend = "eager"
+    group_ends = normalize_group_list(
+        group_list,
+        num_experts=weight.shape[0],
+        num_rows=x.shape[0],
+        group_list_type=group_list_type,
+        device=x.device,
+        validate=validate,
+    )
+    chosen = select_backend(x, weight, backend)
+    return _grouped_matmul_op(x, weight, group_ends, chosen.name)

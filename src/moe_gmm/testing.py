@@ -1,0 +1,237 @@
+"""Shared numerical references, input factories and error checks.
+
+Used by the tests, the benchmarks and ``moe-gmm validate`` alike, so there is exactly one
+float64 reference for every op in the project.
+
+Legend: M rows, K in-features, N out-features, E experts, T tokens, k top-k slots, H hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ROUTINGS",
+    "Tolerance",
+    "assert_rel_close",
+    "gmm_inputs",
+    "group_counts",
+    "reference_grouped_matmul",
+    "reference_grouped_matmul_grads",
+    "reference_permute",
+    "reference_unpermute",
+    "relative_error",
+    "routing_ids",
+    "tolerance_for",
+]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Per-dtype limits: ``rel`` for relative-norm error vs float64, ``rtol``/``atol`` for fused vs eager."""
+
+    rel: float
+    rtol: float
+    atol: float
+
+
+# bf16 fused vs eager uses the reference test's rtol = atol = 1e-2.
+_TOLERANCES = {
+    torch.float64: Tolerance(rel=1e-12, rtol=1e-10, atol=1e-10),
+    torch.float32: Tolerance(rel=1e-5, rtol=1e-5, atol=1e-5),
+    torch.float16: Tolerance(rel=5e-3, rtol=1e-2, atol=1e-2),
+    torch.bfloat16: Tolerance(rel=1e-2, rtol=1e-2, atol=1e-2),
+}
+
+
+def tolerance_for(dtype: torch.dtype) -> Tolerance:
+    return _TOLERANCES[dtype]
+
+
+def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||actual - reference|| / ||reference||`` in float64 (0 when both are exactly zero)."""
+    diff = (actual.detach().double() - reference.detach().double()).norm().item()
+    scale = reference.detach().double().norm().item()
+    if scale == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / scale
+
+
+def assert_rel_close(actual: torch.Tensor, reference: torch.Tensor, limit: float, what: str = "tensor") -> None:
+    """Relative-norm check that also rejects any NaN/Inf the reference does not have."""
+    if actual.shape != reference.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != reference {tuple(reference.shape)}")
+    bad = ~torch.isfinite(actual.detach()) & torch.isfinite(reference.detach())
+    if bool(bad.any()):
+        raise AssertionError(f"{what}: {int(bad.sum())} non-finite elements where the reference is finite")
+    err = relative_error(actual, reference)
+    if not err <= limit:
+        max_abs = (actual.detach().double() - reference.detach().double()).abs().max().item()
+        raise AssertionError(f"{what}: relative error {err:.3e} > {limit:.1e} (max abs diff {max_abs:.3e})")
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped matmul reference
+# ----------------------------------------------------------------------------------------------
+
+
+def _bounds(group_counts_E: torch.Tensor | list[int]) -> list[int]:
+    counts = group_counts_E.tolist() if isinstance(group_counts_E, torch.Tensor) else list(group_counts_E)
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + int(c))
+    return bounds
+
+
+def reference_grouped_matmul(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E) -> torch.Tensor:
+    """float64 ``y[rows_e] = x[rows_e] @ w[e]``, written independently of every backend."""
+    x64, w64 = x_MK.detach().double().cpu(), w_EKN.detach().double().cpu()
+    bounds = _bounds(counts_E)
+    y = torch.zeros(x64.shape[0], w64.shape[2], dtype=torch.float64)
+    for e in range(w64.shape[0]):
+        s, t = bounds[e], bounds[e + 1]
+        y[s:t] = x64[s:t] @ w64[e]
+    return y
+
+
+def reference_grouped_matmul_grads(
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E, dy_MN: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(dx, dw)``: ``dx[rows_e] = dy[rows_e] @ w[e]^T``, ``dw[e] = x[rows_e]^T @ dy[rows_e]``."""
+    x64, w64, dy64 = (t.detach().double().cpu() for t in (x_MK, w_EKN, dy_MN))
+    bounds = _bounds(counts_E)
+    dx = torch.zeros_like(x64)
+    dw = torch.zeros_like(w64)
+    for e in range(w64.shape[0]):
+        s, t = bounds[e], bounds[e + 1]
+        dx[s:t] = dy64[s:t] @ w64[e].T
+        dw[e] = x64[s:t].T @ dy64[s:t]
+    return dx, dw
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing and input factories
+# ----------------------------------------------------------------------------------------------
+
+ROUTINGS = ("uniform", "uneven", "empty", "skewed", "one_expert", "duplicate_topk")
+
+
+def routing_ids(
+    num_tokens: int, top_k: int, num_experts: int, routing: str = "uniform", *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``[T, k]`` int64 expert ids for one of :data:`ROUTINGS`.
+
+    - uniform: each token picks k distinct experts uniformly;
+    - uneven: distinct experts, drawn with weights 1..E (later experts busier);
+    - empty: distinct experts from the odd-numbered half only (every even expert gets nothing);
+    - skewed: Zipf-like weights over a quarter of the experts, the rest get nothing;
+    - one_expert: every slot goes to expert 0 (duplicates within a token's top-k);
+    - duplicate_topk: slots drawn with replacement, so a token may pick one expert twice.
+    """
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    g = generator
+    if routing == "one_expert":
+        return torch.zeros(num_tokens, top_k, dtype=torch.int64)
+    if routing == "duplicate_topk":
+        return torch.randint(0, num_experts, (num_tokens, top_k), generator=g)
+    weights = torch.ones(num_experts, dtype=torch.float64)
+    if routing == "uneven":
+        weights = torch.arange(1, num_experts + 1, dtype=torch.float64)
+    elif routing == "empty":
+        weights = torch.zeros(num_experts, dtype=torch.float64)
+        weights[1::2] = 1.0
+    elif routing == "skewed":
+        hot = max(top_k, num_experts // 4)
+        weights = torch.zeros(num_experts, dtype=torch.float64)
+        weights[:hot] = 1.0 / torch.arange(1, hot + 1, dtype=torch.float64) ** 1.2
+        weights = weights[torch.randperm(num_experts, generator=g)]
+    if int((weights > 0).sum()) < top_k:
+        raise ValueError(f"routing {routing!r} leaves fewer than top_k={top_k} experts of {num_experts}")
+    if num_tokens == 0:
+        return torch.zeros(0, top_k, dtype=torch.int64)
+    return torch.multinomial(weights.expand(num_tokens, -1), top_k, replacement=False, generator=g)
+
+
+def group_counts(
+    num_rows: int, num_experts: int, routing: str = "uniform", *, generator: torch.Generator | None = None
+) -> list[int]:
+    """Rows per expert summing to ``num_rows`` with the shape of one of :data:`ROUTINGS` (top-1)."""
+    if routing in ("duplicate_topk",):
+        routing = "uniform"
+    if routing == "empty" and num_experts == 1:
+        routing = "uniform"
+    ids = routing_ids(num_rows, 1, num_experts, routing, generator=generator).flatten()
+    return torch.bincount(ids, minlength=num_experts).tolist()
+
+
+def gmm_inputs(
+    counts_E: list[int],
+    k: int,
+    n: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    device: str | torch.device = "cpu",
+    transposed_weight: bool = False,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x [M, K], w [E, K, N], group_list [E] int64)``, scaled so outputs are O(1).
+
+    With ``transposed_weight`` the weight is a ``.transpose(1, 2)`` view of an ``[E, N, K]`` tensor.
+    """
+    g = torch.Generator().manual_seed(seed)
+    num_rows, num_experts = sum(counts_E), len(counts_E)
+    x = torch.randn(num_rows, k, generator=g, dtype=torch.float64)
+    if transposed_weight:
+        w = (torch.randn(num_experts, n, k, generator=g, dtype=torch.float64) / k**0.5).transpose(1, 2)
+    else:
+        w = torch.randn(num_experts, k, n, generator=g, dtype=torch.float64) / k**0.5
+    x = x.to(device=device, dtype=dtype)
+    w = w.to(device=device, dtype=dtype)
+    return x, w, torch.tensor(counts_E, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Permute / unpermute references
+# ----------------------------------------------------------------------------------------------
+
+
+def reference_permute(hidden_TH: torch.Tensor, ids_Tk: torch.Tensor, num_experts: int):
+    """float64 ``(permuted [T*k, H], rows [T, k], counts [E])`` by a plain loop.
+
+    ``rows[t, j]`` is the permuted row holding token t's copy for slot j; rows are grouped by
+    expert, stable in (token, slot) order.
+    """
+    num_tokens, top_k = ids_Tk.shape
+    h64 = hidden_TH.detach().double().cpu()
+    ids = ids_Tk.cpu().tolist()
+    counts = [0] * num_experts
+    for row in ids:
+        for e in row:
+            counts[e] += 1
+    next_row = _bounds(counts)[:-1]
+    rows = torch.empty(num_tokens, top_k, dtype=torch.int64)
+    permuted = torch.zeros(num_tokens * top_k, h64.shape[1], dtype=torch.float64)
+    for t in range(num_tokens):
+        for j in range(top_k):
+            e = ids[t][j]
+            rows[t, j] = next_row[e]
+            permuted[next_row[e]] = h64[t]
+            next_row[e] += 1
+    # Stable (token, slot) order within each expert requires a second pass only if ids were
+    # visited out of order; the loop above visits tokens then slots, so it already is.
+    return permuted, rows, torch.tensor(counts, dtype=torch.int64)
+
+
+def reference_unpermute(expert_out_RH: torch.Tensor, rows_Tk: torch.Tensor, probs_Tk: torch.Tensor) -> torch.Tensor:
+    """float64 ``out[t] = sum_j probs[t, j] * expert_out[rows[t, j]]``."""
+    y64 = expert_out_RH.detach().double().cpu()
+    p64 = probs_Tk.detach().double().cpu()
+    num_tokens, top_k = rows_Tk.shape
+    out = torch.zeros(num_tokens, y64.shape[1], dtype=torch.float64)
+    for t in range(num_tokens):
+        for j in range(top_k):
+            out[t] += p64[t, j] * y64[int(rows_Tk[t, j])]
+    return out
