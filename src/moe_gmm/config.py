@@ -1,0 +1,273 @@
+"""Run configuration: one dataclass per component (the single source of defaults) and strict YAML loading.
+
+The YAML keys follow the reference training configuration (``parallel.expert_parallel_size``,
+``parallel.ep_plan.apply_modules``, ``parallel.ep_plan.dispatcher``, ``model.model_id``,
+``model.use_grouped_expert_matmul``) plus the model sizes, training steps, seed, dtype and device.
+
+Loading is strict: an unknown key, a value of the wrong type or an impossible combination raises
+:class:`ConfigError` naming the full key path (``parallel.ep_plan.dispatcher``), never a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "DISPATCHERS",
+    "ConfigError",
+    "EPPlanConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "TrainingConfig",
+    "config_to_dict",
+    "load_config",
+    "parse_config",
+    "validate_config",
+]
+
+DISPATCHERS = ("alltoall", "alltoall_overlap")
+Device = Literal["cpu", "cuda", "npu"]
+DType = Literal["bf16", "fp32"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message starts with the full key path."""
+
+
+@dataclass
+class EPPlanConfig:
+    """Which modules are expert-parallel and how tokens travel (``parallel.ep_plan``)."""
+
+    # Anchored patterns over ``named_modules()`` names; ``{*}`` matches one layer index.
+    apply_modules: list[str] = field(default_factory=lambda: ["model.layers.{*}.mlp.experts"])
+    dispatcher: Literal["alltoall", "alltoall_overlap"] = "alltoall"
+
+
+@dataclass
+class ParallelConfig:
+    """``parallel``: expert parallelism over ``torch.distributed``."""
+
+    expert_parallel_size: int = 1
+    ep_plan: EPPlanConfig = field(default_factory=EPPlanConfig)
+
+
+@dataclass
+class ModelConfig:
+    """``model``: a Qwen3.5-MoE text model's sizes (Hugging Face ``Qwen3_5MoeTextConfig`` names)."""
+
+    model_id: Literal["qwen3_5_moe"] = "qwen3_5_moe"
+    use_grouped_expert_matmul: bool = True
+    # Grouped-matmul backend for the fused path; None = the registry's automatic choice.
+    gmm_backend: str | None = None
+    vocab_size: int = 128
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    # Every n-th layer is full attention, the others linear attention (as in Qwen3.5).
+    full_attention_interval: int = 2
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    shared_expert_intermediate_size: int = 32
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
+    max_position_embeddings: int = 4096
+
+
+@dataclass
+class TrainingConfig:
+    """``training``: a short run on deterministic synthetic tokens."""
+
+    steps: int = 20
+    micro_batch_size: int = 4
+    seq_len: int = 32
+    lr: float = 1.0e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    # Save a checkpoint every this many steps (and at the end); 0 = only at the end.
+    checkpoint_every: int = 0
+
+
+@dataclass
+class RunConfig:
+    """The whole file."""
+
+    seed: int = 0
+    device: Device = "cpu"
+    dtype: DType = "fp32"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Strict mapping of plain data (parsed YAML) onto the dataclasses
+# ----------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin is Literal:
+        if value in typing.get_args(tp) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            # PyYAML reads ``1e-3`` (no dot) as a string; say so rather than guess.
+            raise ConfigError(f"{path}: expected float, got string {value!r} (YAML needs a dot: write 1.0e-3)")
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - a schema field of a type this loader does not know
+        raise TypeError(f"unsupported config field type {tp!r} at {path}")
+    raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    where = path or "<top level>"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            full = f"{path}.{key}" if path else str(key)
+            raise ConfigError(f"{full}: unknown key (allowed under {where}: {', '.join(sorted(known))})")
+    kwargs = {key: _convert(value, hints[key], f"{path}.{key}" if path else key) for key, value in data.items()}
+    return cls(**kwargs)
+
+
+def validate_config(cfg: RunConfig, *, world_size: int | None = None) -> RunConfig:
+    """Reject impossible combinations; ``world_size`` (if known) bounds the EP size."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    positive = {
+        "model.vocab_size": m.vocab_size,
+        "model.hidden_size": m.hidden_size,
+        "model.num_hidden_layers": m.num_hidden_layers,
+        "model.num_attention_heads": m.num_attention_heads,
+        "model.num_key_value_heads": m.num_key_value_heads,
+        "model.head_dim": m.head_dim,
+        "model.full_attention_interval": m.full_attention_interval,
+        "model.num_experts": m.num_experts,
+        "model.num_experts_per_tok": m.num_experts_per_tok,
+        "model.moe_intermediate_size": m.moe_intermediate_size,
+        "model.shared_expert_intermediate_size": m.shared_expert_intermediate_size,
+        "parallel.expert_parallel_size": p.expert_parallel_size,
+        "training.steps": t.steps,
+        "training.micro_batch_size": t.micro_batch_size,
+        "training.seq_len": t.seq_len,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {value}")
+    if cfg.seed < 0:
+        raise ConfigError(f"seed: must be >= 0, got {cfg.seed}")
+    if t.lr <= 0:
+        raise ConfigError(f"training.lr: must be > 0, got {t.lr}")
+    if t.checkpoint_every < 0:
+        raise ConfigError(f"training.checkpoint_every: must be >= 0, got {t.checkpoint_every}")
+    if m.num_experts_per_tok > m.num_experts:
+        raise ConfigError(
+            f"model.num_experts_per_tok: top-k {m.num_experts_per_tok} exceeds model.num_experts {m.num_experts}"
+        )
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise ConfigError(
+            f"model.num_key_value_heads: {m.num_key_value_heads} must divide "
+            f"model.num_attention_heads {m.num_attention_heads}"
+        )
+    if m.num_experts % p.expert_parallel_size:
+        raise ConfigError(
+            f"parallel.expert_parallel_size: {p.expert_parallel_size} must divide model.num_experts "
+            f"{m.num_experts} (each rank owns an equal block of experts)"
+        )
+    if world_size is not None and p.expert_parallel_size > world_size:
+        raise ConfigError(
+            f"parallel.expert_parallel_size: {p.expert_parallel_size} is larger than the world size {world_size}"
+        )
+    if world_size is not None and world_size % p.expert_parallel_size:
+        raise ConfigError(
+            f"parallel.expert_parallel_size: {p.expert_parallel_size} must divide the world size {world_size}"
+        )
+    if p.expert_parallel_size > 1 and not p.ep_plan.apply_modules:
+        raise ConfigError("parallel.ep_plan.apply_modules: must name at least one module when expert_parallel_size > 1")
+    return cfg
+
+
+def parse_config(data: Any, *, world_size: int | None = None) -> RunConfig:
+    """Map parsed YAML (nested dicts) onto :class:`RunConfig`, strictly, and validate it."""
+    return validate_config(_build(RunConfig, data, ""), world_size=world_size)
+
+
+def load_config(path: str | Path, *, world_size: int | None = None) -> RunConfig:
+    """Read a YAML file into a validated :class:`RunConfig`; every problem is a :class:`ConfigError`."""
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r}: not valid YAML ({exc})") from None
+    return parse_config(data, world_size=world_size)
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain nested dict (the YAML shape) of a config."""
+    return dataclasses.asdict(cfg)
