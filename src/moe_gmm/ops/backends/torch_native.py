@@ -6,6 +6,9 @@ Quirks of torch 2.13's kernel handled here, not at call sites:
   slice ``x[:, ::2]``) raises "Invalid strides/sizes": such operands are made contiguous;
 - rows past the last offset are left uninitialised: the contract guarantees the last offset is M,
   so no such rows exist here;
+- every non-unit stride must be a multiple of 16 bytes ("strides should be multiple of 16 bytes"),
+  on CPU too: K and N must be multiples of 16 bytes' worth of elements, else the backend refuses
+  (``auto`` then falls back to eager), and a weight view with unaligned strides is copied;
 - float64 is rejected by the kernel: the backend does not declare it, so ``auto`` picks eager;
 - on CUDA, empty groups' weight gradients are not documented to be zero: they are zeroed here.
 """
@@ -25,13 +28,26 @@ def _unavailable_reason() -> str | None:
     return None
 
 
+_ALIGN_BYTES = 16
+
+
+def _aligned(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    size = t.element_size()
+    return all((s * size) % _ALIGN_BYTES == 0 for s in strides) and t.data_ptr() % _ALIGN_BYTES == 0
+
+
 def _gemm_operand(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when the kernel can read its layout (row- or column-major in the last two dims)."""
+    """``t`` itself when the kernel can read its layout (row- or column-major, 16-byte aligned)."""
+    if t.numel() == 0:
+        # An empty tensor counts as contiguous whatever its strides, so .contiguous() would keep
+        # e.g. the zero strides of an expanded empty gradient, which the kernel rejects.
+        return t.new_empty(t.shape)
     rows, cols = t.shape[-2], t.shape[-1]
     row_stride, col_stride = t.stride(-2), t.stride(-1)
-    if col_stride == 1 and row_stride >= max(cols, 1):
+    outer = tuple(t.stride()[:-2])
+    if col_stride == 1 and row_stride >= max(cols, 1) and _aligned(t, (row_stride, *outer)):
         return t
-    if row_stride == 1 and col_stride >= max(rows, 1):
+    if row_stride == 1 and col_stride >= max(rows, 1) and _aligned(t, (col_stride, *outer)):
         return t
     return t.contiguous()
 
@@ -60,6 +76,11 @@ def grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Ten
 
 
 def _input_refusal(x_MK: torch.Tensor, w_EKN: torch.Tensor) -> str | None:
+    k, n = x_MK.shape[1], w_EKN.shape[2]
+    multiple = _ALIGN_BYTES // x_MK.element_size()
+    if k % multiple or n % multiple:
+        dtype = str(x_MK.dtype).removeprefix("torch.")
+        return f"grouped_mm needs K and N multiples of {multiple} for {dtype} (16-byte strides), got K={k}, N={n}"
     if x_MK.device.type != "cuda":
         return None
     if x_MK.dtype != torch.bfloat16:
@@ -67,9 +88,6 @@ def _input_refusal(x_MK: torch.Tensor, w_EKN: torch.Tensor) -> str | None:
     major, minor = torch.cuda.get_device_capability(x_MK.device)
     if major < 8:
         return f"CUDA grouped_mm needs compute capability 8.0+, device has {major}.{minor}"
-    # The CUDA kernel needs 16-byte aligned row strides: K and N multiples of 8 bf16 elements.
-    if x_MK.shape[1] % 8 or w_EKN.shape[2] % 8:
-        return f"CUDA grouped_mm needs K and N multiples of 8, got K={x_MK.shape[1]}, N={w_EKN.shape[2]}"
     return None
 
 

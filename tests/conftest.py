@@ -1,0 +1,37 @@
+"""Test-wide settings: quiet hubs, deterministic seeds, and a memory-poisoning fixture."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def poisoned_memory():
+    """Every uninitialised tensor (torch.empty, also inside ATen kernels) starts as NaN.
+
+    A backend that leaves any output element unwritten then fails the comparison.
+    """
+    from torch.utils import deterministic
+
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_fill = deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic.fill_uninitialized_memory = True
+    try:
+        assert torch.isnan(torch.empty(4)).all(), "poisoning is not active"
+        yield
+    finally:
+        deterministic.fill_uninitialized_memory = was_fill
+        torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
