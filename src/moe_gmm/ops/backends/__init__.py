@@ -33,12 +33,18 @@ BACKEND_ENV_VAR = "MOE_GMM_BACKEND"
 _BUILTIN_MODULES: dict[str, str] = {
     "eager": "moe_gmm.ops.backends.eager",
     "torch": "moe_gmm.ops.backends.torch_native",
+    "triton": "moe_gmm.ops.backends.triton",
 }
 
 # Device type -> backends ``auto`` tries, best first. ``eager`` is last everywhere: it always works.
+# cuda: torch's grouped_mm (CUTLASS) takes bf16 with K, N multiples of 8 on sm80+; triton takes
+# the rest (fp16, fp32, unaligned shapes) with one launch instead of eager's loop of E matmuls.
+# The order between torch and triton is not yet measured (benchmarks/gpu_check.py measures it).
+# cpu: triton only runs in the interpreter there, far slower than any other backend, so it is
+# never picked automatically.
 AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
     "cpu": ("torch", "eager"),
-    "cuda": ("torch", "eager"),
+    "cuda": ("torch", "triton", "eager"),
 }
 _DEFAULT_PRIORITY: tuple[str, ...] = ("eager",)
 
