@@ -20,8 +20,12 @@ __all__ = [
     "group_counts",
     "reference_grouped_matmul",
     "reference_grouped_matmul_grads",
+    "reference_expert_mlp",
     "reference_permute",
+    "reference_permute_grad",
+    "reference_swiglu",
     "reference_unpermute",
+    "reference_unpermute_grads",
     "relative_error",
     "routing_ids",
     "tolerance_for",
@@ -235,3 +239,51 @@ def reference_unpermute(expert_out_RH: torch.Tensor, rows_Tk: torch.Tensor, prob
         for j in range(top_k):
             out[t] += p64[t, j] * y64[int(rows_Tk[t, j])]
     return out
+
+
+def reference_permute_grad(grad_permuted_RH: torch.Tensor, rows_Tk: torch.Tensor) -> torch.Tensor:
+    """float64 ``d hidden[t] = sum_j grad_permuted[rows[t, j]]`` (the adjoint of permute)."""
+    ones = torch.ones(rows_Tk.shape, dtype=torch.float64)
+    return reference_unpermute(grad_permuted_RH, rows_Tk, ones)
+
+
+def reference_unpermute_grads(
+    expert_out_RH: torch.Tensor, rows_Tk: torch.Tensor, probs_Tk: torch.Tensor, grad_out_TH: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(d expert_out, d probs)`` of unpermute by a plain loop.
+
+    ``d expert_out[rows[t, j]] = probs[t, j] * grad_out[t]``, ``d probs[t, j] = <grad_out[t], expert_out[rows[t, j]]>``.
+    """
+    y64, p64, g64 = (t.detach().double().cpu() for t in (expert_out_RH, probs_Tk, grad_out_TH))
+    num_tokens, top_k = rows_Tk.shape
+    d_y = torch.zeros_like(y64)
+    d_p = torch.zeros_like(p64)
+    for t in range(num_tokens):
+        for j in range(top_k):
+            r = int(rows_Tk[t, j])
+            d_y[r] += p64[t, j] * g64[t]
+            d_p[t, j] = torch.dot(g64[t], y64[r])
+    return d_y, d_p
+
+
+def reference_swiglu(x: torch.Tensor) -> torch.Tensor:
+    """float64 ``silu(x[..., :I]) * x[..., I:]`` (gate = first half), differentiable for float64 leaves."""
+    x64 = x.double()
+    half = x64.shape[-1] // 2
+    gate, up = x64[..., :half], x64[..., half:]
+    return gate / (1.0 + torch.exp(-gate)) * up
+
+
+def reference_expert_mlp(
+    x_RH: torch.Tensor, gate_up_EH2I: torch.Tensor, down_EIH: torch.Tensor, counts_E
+) -> torch.Tensor:
+    """float64 per-expert loop ``swiglu(x[rows_e] @ gate_up[e]) @ down[e]``.
+
+    Not detached: pass float64 leaves with ``requires_grad`` to get reference gradients by autograd.
+    """
+    x64, gu64, d64 = x_RH.double(), gate_up_EH2I.double(), down_EIH.double()
+    bounds = _bounds(counts_E)
+    outs = [
+        reference_swiglu(x64[bounds[e] : bounds[e + 1]] @ gu64[e]) @ d64[e] for e in range(gu64.shape[0])
+    ]
+    return torch.cat(outs, dim=0) if outs else x64.new_zeros(0, d64.shape[2])

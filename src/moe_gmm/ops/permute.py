@@ -1,0 +1,248 @@
+"""Token permute / unpermute around the grouped matmul.
+
+Legend: T tokens, k top-k slots, H hidden, E experts, R = T * k permuted rows.
+
+``permute`` copies every (token, slot) pair to one row of ``permuted_RH`` so that rows are grouped
+by expert in ascending order (stable in (token, slot) order inside an expert); the per-expert row
+counts are the grouped matmul's ``group_list``. ``unpermute`` combines the expert outputs back into
+tokens, weighted by the routing probabilities.
+
+``row_id_map_R`` (int64, flat in (token, slot) order) is the one piece of state between the two:
+``row_id_map[t * k + j]`` is the row of ``permuted_RH`` that holds token t's copy for slot j (the
+meaning of torch_npu's ``sorted_indices``). It is a permutation of ``range(R)``.
+
+Both ops are ``torch.library`` custom ops (fake and autograd registered), so ``torch.compile``
+traces a layer through them. Neither uses atomics: the forward of ``permute`` and the backward of
+``unpermute`` are gathers / unique-index scatters, and every sum over the k slots is a gather into
+``[T, k, H]`` reduced in a fixed order, accumulated in float32 for 16-bit inputs. Results are
+therefore bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["permute", "unpermute"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _weighted_slot_sum(src_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_Tk: torch.Tensor | None, top_k: int):
+    """``out[t] = sum_j p[t, j] * src[row_id_map[t*k + j]]`` (p = 1 when ``probs_Tk`` is None).
+
+    Gathers ``[T, k, H]`` and reduces over k in a fixed order in float32 (float64 for float64);
+    returns ``[T, H]`` in ``src_RH.dtype``.
+    """
+    num_rows, hidden = src_RH.shape
+    num_tokens = num_rows // top_k if top_k > 0 else 0
+    acc = _acc_dtype(src_RH.dtype)
+    gathered_TkH = src_RH.index_select(0, row_id_map_R).view(num_tokens, top_k, hidden).to(acc)
+    if probs_Tk is not None:
+        gathered_TkH = gathered_TkH * probs_Tk.to(acc).unsqueeze(-1)
+    return gathered_TkH.sum(dim=1).to(src_RH.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# permute
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moe_gmm::permute", mutates_args=())
+def _permute_op(
+    hidden_TH: torch.Tensor, selected_experts_Tk: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    top_k = selected_experts_Tk.shape[1]
+    flat_ids_R = selected_experts_Tk.reshape(-1).to(torch.int64)
+    # order_R[r] = flat (token, slot) index that lands on row r; stable sort keeps (token, slot)
+    # order inside each expert. O(R log R) on device, no per-token Python work.
+    order_R = torch.sort(flat_ids_R, stable=True).indices
+    row_id_map_R = torch.empty_like(order_R)
+    row_id_map_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)  # unique indices: no atomics
+    permuted_RH = hidden_TH.index_select(0, torch.div(order_R, top_k, rounding_mode="floor"))
+    tokens_per_expert_E = torch.bincount(flat_ids_R, minlength=num_experts)
+    return permuted_RH, row_id_map_R, tokens_per_expert_E
+
+
+@_permute_op.register_fake
+def _(hidden_TH, selected_experts_Tk, num_experts):
+    num_rows = selected_experts_Tk.shape[0] * selected_experts_Tk.shape[1]
+    return (
+        hidden_TH.new_empty(num_rows, hidden_TH.shape[1]),
+        selected_experts_Tk.new_empty(num_rows, dtype=torch.int64),
+        selected_experts_Tk.new_empty(num_experts, dtype=torch.int64),
+    )
+
+
+def _permute_setup_context(ctx, inputs, output) -> None:
+    _, selected_experts_Tk, _ = inputs
+    ctx.top_k = selected_experts_Tk.shape[1]
+    ctx.save_for_backward(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _permute_backward(ctx, grad_permuted_RH, _grad_row_id_map, _grad_counts):
+    if grad_permuted_RH is None:
+        return None, None, None
+    (row_id_map_R,) = ctx.saved_tensors
+    # Each token's grad is the sum of its k copies' grads: a gather + fixed-order sum.
+    return _weighted_slot_sum(grad_permuted_RH, row_id_map_R, None, ctx.top_k), None, None
+
+
+torch.library.register_autograd("moe_gmm::permute", _permute_backward, setup_context=_permute_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# unpermute
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moe_gmm::unpermute", mutates_args=())
+def _unpermute_op(expert_out_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_Tk: torch.Tensor) -> torch.Tensor:
+    return _weighted_slot_sum(expert_out_RH, row_id_map_R, probs_Tk, probs_Tk.shape[1])
+
+
+@_unpermute_op.register_fake
+def _(expert_out_RH, row_id_map_R, probs_Tk):
+    return expert_out_RH.new_empty(probs_Tk.shape[0], expert_out_RH.shape[1])
+
+
+def _unpermute_setup_context(ctx, inputs, output) -> None:
+    expert_out_RH, row_id_map_R, probs_Tk = inputs
+    ctx.save_for_backward(expert_out_RH, row_id_map_R, probs_Tk)
+
+
+def _unpermute_backward(ctx, grad_out_TH):
+    expert_out_RH, row_id_map_R, probs_Tk = ctx.saved_tensors
+    num_tokens, top_k = probs_Tk.shape
+    hidden = expert_out_RH.shape[1]
+    acc = _acc_dtype(expert_out_RH.dtype)
+    grad_expert_out = grad_probs = None
+    if ctx.needs_input_grad[0]:
+        # d expert_out[row_id_map[t*k+j]] = probs[t, j] * grad_out[t]; row_id_map is a permutation,
+        # so the scatter writes every row exactly once (no accumulation, deterministic).
+        flat_RH = (grad_out_TH.to(acc).unsqueeze(1) * probs_Tk.to(acc).unsqueeze(-1)).reshape(-1, hidden)
+        grad_expert_out = torch.empty_like(expert_out_RH)
+        grad_expert_out[row_id_map_R] = flat_RH.to(expert_out_RH.dtype)
+    if ctx.needs_input_grad[2]:
+        # d probs[t, j] = <grad_out[t], expert_out[row_id_map[t*k+j]]>, reduced over H in float32.
+        gathered_TkH = expert_out_RH.index_select(0, row_id_map_R).view(num_tokens, top_k, hidden)
+        grad_probs = (gathered_TkH.to(acc) * grad_out_TH.to(acc).unsqueeze(1)).sum(-1).to(probs_Tk.dtype)
+    return grad_expert_out, None, grad_probs
+
+
+torch.library.register_autograd("moe_gmm::unpermute", _unpermute_backward, setup_context=_unpermute_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# The public boundary.
+# --------------------------------------------------------------------------------------------
+
+
+def _check_float(name: str, t: torch.Tensor, dim: int, shape_doc: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must have a floating dtype in {[_dtype_name(d) for d in _FLOAT_DTYPES]}, got {_dtype_name(t.dtype)}"
+        )
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D {shape_doc}, got shape {tuple(t.shape)}")
+
+
+def _check_index(name: str, t: torch.Tensor, dim: int, shape_doc: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got dtype {_dtype_name(t.dtype)}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D {shape_doc}, got shape {tuple(t.shape)}")
+
+
+def permute(
+    hidden_TH: torch.Tensor,
+    selected_experts_Tk: torch.Tensor,
+    num_experts: int,
+    *,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copy each token once per selected expert, grouping the copies by expert.
+
+    Args:
+        hidden_TH: ``[T, H]`` floating tensor.
+        selected_experts_Tk: ``[T, k]`` int32/int64 expert ids in ``[0, num_experts)``; duplicates
+            within one token's top-k are legal (the token then gets two rows in that expert).
+        num_experts: E, the number of experts (the length of ``tokens_per_expert``).
+        validate: check that every id lies in ``[0, E)``. This reads the ids on the host (a sync
+            on an accelerator); skipped under ``torch.compile``. Callers whose ids come from a
+            top-k over E experts may pass ``False``.
+
+    Returns:
+        ``permuted_RH`` ``[T*k, H]`` (rows grouped by expert ascending, stable in (token, slot)
+        order), ``row_id_map_R`` ``[T*k]`` int64 (``row_id_map[t*k + j]`` = row of token t's
+        slot-j copy) and ``tokens_per_expert_E`` ``[E]`` int64 on hidden's device (the
+        ``group_list`` for :func:`~moe_gmm.grouped_matmul`). Differentiable in ``hidden_TH``.
+    """
+    _check_float("hidden_TH", hidden_TH, 2, "[T, H]")
+    _check_index("selected_experts_Tk", selected_experts_Tk, 2, "[T, k]")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if selected_experts_Tk.shape[0] != hidden_TH.shape[0]:
+        raise ValueError(
+            f"selected_experts_Tk.shape[0] must equal hidden_TH.shape[0] (T): got {tuple(selected_experts_Tk.shape)} "
+            f"and {tuple(hidden_TH.shape)}"
+        )
+    if selected_experts_Tk.shape[1] < 1:
+        raise ValueError(f"selected_experts_Tk must have k >= 1 columns, got shape {tuple(selected_experts_Tk.shape)}")
+    if selected_experts_Tk.device != hidden_TH.device:
+        raise ValueError(
+            f"selected_experts_Tk must be on hidden_TH's device {hidden_TH.device}, got {selected_experts_Tk.device}"
+        )
+    if validate and not torch.compiler.is_compiling() and selected_experts_Tk.numel() > 0:
+        # Host sync on an accelerator: the id range is data.
+        lo, hi = int(selected_experts_Tk.min()), int(selected_experts_Tk.max())
+        if lo < 0 or hi >= num_experts:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"selected_experts_Tk ids must lie in [0, num_experts={num_experts}), got {bad}")
+    return _permute_op(hidden_TH, selected_experts_Tk, num_experts)
+
+
+def unpermute(expert_out_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_Tk: torch.Tensor) -> torch.Tensor:
+    """Combine expert outputs back into tokens: ``out[t] = sum_j probs[t, j] * expert_out[row_id_map[t*k + j]]``.
+
+    Args:
+        expert_out_RH: ``[T*k, H]`` floating tensor, rows in :func:`permute` order.
+        row_id_map_R: ``[T*k]`` int64 map returned by :func:`permute`.
+        probs_Tk: ``[T, k]`` floating routing weights (any float dtype; float32 is typical).
+
+    Returns:
+        ``[T, H]`` in ``expert_out_RH.dtype``; the k-way sum accumulates in float32 (float64 for
+        float64) in a fixed order, so it is deterministic. Differentiable in ``expert_out_RH``
+        and ``probs_Tk``.
+    """
+    _check_float("expert_out_RH", expert_out_RH, 2, "[T*k, H]")
+    _check_float("probs_Tk", probs_Tk, 2, "[T, k]")
+    _check_index("row_id_map_R", row_id_map_R, 1, "[T*k]")
+    if row_id_map_R.dtype != torch.int64:
+        raise TypeError(f"row_id_map_R must be int64 (as returned by permute), got {_dtype_name(row_id_map_R.dtype)}")
+    num_rows = probs_Tk.shape[0] * probs_Tk.shape[1]
+    if row_id_map_R.shape[0] != num_rows or expert_out_RH.shape[0] != num_rows:
+        raise ValueError(
+            f"expert_out_RH.shape[0] and row_id_map_R.shape[0] must equal probs_Tk T*k = {num_rows}: "
+            f"got expert_out_RH {tuple(expert_out_RH.shape)}, row_id_map_R {tuple(row_id_map_R.shape)}, "
+            f"probs_Tk {tuple(probs_Tk.shape)}"
+        )
+    if probs_Tk.shape[1] < 1:
+        raise ValueError(f"probs_Tk must have k >= 1 columns, got shape {tuple(probs_Tk.shape)}")
+    for name, t in (("row_id_map_R", row_id_map_R), ("probs_Tk", probs_Tk)):
+        if t.device != expert_out_RH.device:
+            raise ValueError(f"{name} must be on expert_out_RH's device {expert_out_RH.device}, got {t.device}")
+    return _unpermute_op(expert_out_RH, row_id_map_R, probs_Tk)
