@@ -1,0 +1,9 @@
+"""The measurement table: run the checks, collect rows, render them (terminal, Markdown, JSON, PNG).
+
+``validate`` fills the table, ``train`` compares fused and eager training losses, ``bench`` wraps
+the benchmark harness; ``model`` is the row/report data, ``render`` and ``plots`` write it out.
+"""
+
+from moe_gmm.report.model import Report, Row
+
+__all__ = ["Report", "Row"]

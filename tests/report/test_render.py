@@ -1,0 +1,77 @@
+"""The report model and its renderers: Markdown, strict JSON, terminal, PNG."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from moe_gmm.report.model import Report, Row, format_value
+from moe_gmm.report.render import render_terminal, to_json, to_markdown, write_report
+
+
+def _report() -> Report:
+    r = Report("demo", meta={"device": "cpu", "dtype": "bfloat16"})
+    r.add(Row("gmm", "forward, uniform", "rel err vs float64", 1.5e-3, 1.6e-3, 1e-2, True))
+    r.add(Row("gmm", "forward | pipe", "max abs diff fused-eager", None, 0.5, "rtol=0.01 atol=0.01", False, "worst expert 3"))
+    r.add(Row("perf", "GMM time", "ms", 4.0, float("nan"), None, None, details={"per_expert": [0.0, 1.0]}))
+    return r
+
+
+def test_status_and_summary():
+    r = _report()
+    assert [row.status for row in r.rows] == ["PASS", "FAIL", "info"]
+    assert not r.ok and [row.check for row in r.failures] == ["forward | pipe"]
+    assert r.to_dict()["summary"] == {"ok": False, "pass": 1, "fail": 1, "info": 1}
+    assert r.sections() == ["gmm", "perf"]
+
+
+def test_markdown_has_one_table_per_section_and_escapes_pipes():
+    md = to_markdown(_report())
+    assert md.startswith("# demo\n")
+    assert "## gmm" in md and "## perf" in md
+    assert "| forward \\| pipe | max abs diff fused-eager | - | 0.5 | rtol=0.01 atol=0.01 | **FAIL** | worst expert 3 |" in md
+    assert "**1 check(s) FAILED** (1 pass, 1 fail, 1 info)" in md
+
+
+def test_json_is_strict_and_keeps_details():
+    data = json.loads(to_json(_report()))  # would raise on a bare NaN
+    assert data["rows"][2]["fused"] == "nan"
+    assert data["rows"][2]["details"] == {"per_expert": [0.0, 1.0]}
+    assert data["rows"][1]["status"] == "FAIL"
+    assert data["meta"]["dtype"] == "bfloat16"
+
+
+def test_terminal_lists_failures():
+    from rich.console import Console
+
+    buf = io.StringIO()
+    render_terminal(_report(), Console(file=buf, width=200))
+    text = buf.getvalue()
+    assert "forward, uniform" in text and "FAIL" in text
+    assert "1 check(s) FAILED: forward | pipe" in text
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [(None, "-"), (0.0, "0"), (3, "3"), (0.0123456, "0.01235"), (1.5e-7, "1.500e-07"), ("x", "x"), (True, "True")],
+)
+def test_format_value(value, text):
+    assert format_value(value) == text
+
+
+def test_write_report_and_plots(tmp_path):
+    from moe_gmm.report import plots
+
+    paths = write_report(_report(), tmp_path)
+    assert paths["markdown"].read_text().startswith("# demo")
+    assert json.loads(paths["json"].read_text())["title"] == "demo"
+    pngs = [
+        plots.plot_grad_weight_errors({"gate_up": [0.0, 1e-3, 2e-3]}, [0, 4, 5], 1e-2, tmp_path / "a.png"),
+        plots.plot_time_breakdown({"eager": {"gmm": 2.0, "step": 5.0}, "fused": {"gmm": 1.0, "step": 4.0}}, tmp_path / "b.png"),
+        plots.plot_tokens_per_expert([3, 0, 5], tmp_path / "c.png"),
+        plots.plot_loss_curves({"fused": [3.0, 2.0], "eager": [3.0, 2.1]}, tmp_path / "d.png"),
+    ]
+    for p in pngs:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
