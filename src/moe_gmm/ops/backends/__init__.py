@@ -34,6 +34,7 @@ _BUILTIN_MODULES: dict[str, str] = {
     "eager": "moe_gmm.ops.backends.eager",
     "torch": "moe_gmm.ops.backends.torch_native",
     "triton": "moe_gmm.ops.backends.triton",
+    "npu": "moe_gmm.ops.backends.npu",
 }
 
 # Device type -> backends ``auto`` tries, best first. ``eager`` is last everywhere: it always works.
@@ -45,6 +46,8 @@ _BUILTIN_MODULES: dict[str, str] = {
 AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
     "cpu": ("torch", "eager"),
     "cuda": ("torch", "triton", "eager"),
+    # npu: the vendor kernel whenever torch_npu and a device are present (untested on hardware here).
+    "npu": ("npu", "eager"),
 }
 _DEFAULT_PRIORITY: tuple[str, ...] = ("eager",)
 

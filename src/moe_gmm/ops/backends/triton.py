@@ -22,6 +22,7 @@ gather/scatter variant used by ``moe_gmm.ops.gather_gmm``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -201,8 +202,13 @@ def grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Ten
     return launch_gmm_wgrad(x_MK, dy_MN, group_ends_E)
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def _unavailable_reason() -> str | None:
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return "the triton package is not installed (pip install 'moe-gmm[triton]')"
     if not interpreting() and not torch.cuda.is_available():
         return "no CUDA device (set TRITON_INTERPRET=1 before first use to run the kernels on CPU)"
