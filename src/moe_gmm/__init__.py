@@ -1,5 +1,6 @@
 """moe-gmm: Mixture-of-Experts training operators built around one grouped matmul."""
 
+from moe_gmm.layers import GroupedExperts, MoeBlockConfig, SparseMoeBlock, TopKRouter
 from moe_gmm.ops.backends import available_backends, register_backend, registered_backends
 from moe_gmm.ops.expert_mlp import expert_mlp
 from moe_gmm.ops.grouped_matmul import grouped_matmul
@@ -9,6 +10,10 @@ from moe_gmm.ops.swiglu import swiglu
 __version__ = "0.1.0"
 
 __all__ = [
+    "GroupedExperts",
+    "MoeBlockConfig",
+    "SparseMoeBlock",
+    "TopKRouter",
     "__version__",
     "available_backends",
     "expert_mlp",

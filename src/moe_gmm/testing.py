@@ -21,8 +21,10 @@ __all__ = [
     "reference_grouped_matmul",
     "reference_grouped_matmul_grads",
     "reference_expert_mlp",
+    "reference_moe_block",
     "reference_permute",
     "reference_permute_grad",
+    "reference_router",
     "reference_swiglu",
     "reference_unpermute",
     "reference_unpermute_grads",
@@ -287,3 +289,40 @@ def reference_expert_mlp(
         reference_swiglu(x64[bounds[e] : bounds[e + 1]] @ gu64[e]) @ d64[e] for e in range(gu64.shape[0])
     ]
     return torch.cat(outs, dim=0) if outs else x64.new_zeros(0, d64.shape[2])
+
+
+def reference_router(x_TH: torch.Tensor, gate_EH: torch.Tensor, top_k: int, norm_topk_prob: bool = True):
+    """float64 ``(weights [T, k], ids [T, k])``: softmax(x @ gate^T) -> top-k -> renormalise. Differentiable."""
+    probs_TE = torch.softmax(x_TH.double() @ gate_EH.double().T, dim=-1)
+    weights_Tk, ids_Tk = torch.topk(probs_TE, top_k, dim=-1)
+    if norm_topk_prob:
+        weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
+    return weights_Tk, ids_Tk
+
+
+def reference_moe_block(params: dict[str, torch.Tensor], x_TH: torch.Tensor, top_k: int, norm_topk_prob: bool = True):
+    """float64 sparse MoE block over a state dict in moe-gmm layout, by a loop over experts.
+
+    ``params`` holds ``gate.weight [E, H]``, ``experts.gate_up_proj [E, H, 2I]``,
+    ``experts.down_proj [E, I, H]`` and optionally ``shared_expert.{gate,up,down}_proj.weight`` and
+    ``shared_expert_gate.weight``. Written without permute (a token mask per expert), and not
+    detached: pass float64 leaves to get reference gradients by autograd.
+    """
+    x64 = x_TH.double()
+    p = {name: t.double() for name, t in params.items()}
+    weights_Tk, ids_Tk = reference_router(x64, p["gate.weight"], top_k, norm_topk_prob)
+    out = torch.zeros_like(x64)
+    for e in range(p["gate.weight"].shape[0]):
+        # Weight of expert e per token (sums duplicate slots; zero where e was not picked).
+        w_T = (weights_Tk * (ids_Tk == e)).sum(dim=-1)
+        token_ids = torch.nonzero(w_T, as_tuple=True)[0]
+        if token_ids.numel() == 0:
+            continue
+        y = reference_swiglu(x64[token_ids] @ p["experts.gate_up_proj"][e]) @ p["experts.down_proj"][e]
+        out = out.index_add(0, token_ids, w_T[token_ids, None] * y)
+    if "shared_expert.gate_proj.weight" in p:
+        gate = x64 @ p["shared_expert.gate_proj.weight"].T
+        up = x64 @ p["shared_expert.up_proj.weight"].T
+        shared = (gate * torch.sigmoid(gate) * up) @ p["shared_expert.down_proj.weight"].T
+        out = out + torch.sigmoid(x64 @ p["shared_expert_gate.weight"].T) * shared
+    return out
