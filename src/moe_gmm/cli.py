@@ -1,0 +1,125 @@
+"""``moe-gmm``: the command line. Thin: parse arguments, call the library, print, return an exit code.
+
+Exit codes: 0 every check passed, 1 a check failed, 2 bad usage (unknown flag, bad config,
+unavailable device or backend). Usage errors print one line to stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["EXIT_FAIL", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-gmm", description="Validate, train and benchmark the MoE grouped-matmul operators."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{validate,train,bench}")
+
+    v = sub.add_parser("validate", help="fill the measurement table: eager vs fused, pass/fail per row")
+    v.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
+    v.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16 (the reference unit test's dtype, rtol=atol=1e-2) or fp32 (1e-5)")
+    v.add_argument("--model", default="tiny",
+                   help="layer sizes: tiny (default), qwen3_5_35b_layer, qwen3_5_397b_layer")
+    v.add_argument("--backend", default=None, help="grouped-matmul backend of the fused path (default: automatic)")
+    v.add_argument("--out", default="out/validate", help="directory for report.md, report.json and plots")
+    v.add_argument("--quick", action="store_true", help="fewer tokens and timing repeats (about a minute on 2 cores)")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--tokens", type=int, default=None, help="tokens per batch (default 64 with --quick, else 256)")
+    v.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+    t = sub.add_parser("train", help="train a tiny Qwen3.5-MoE on the fused and the eager path; compare losses")
+    t.add_argument("--config", default="configs/tiny.yaml", help="YAML run configuration")
+    t.add_argument("--steps", type=int, default=None, help="override training.steps")
+    t.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    t.add_argument("--out", default="out/train", help="directory for losses.csv, losses.png, report, checkpoints")
+    t.add_argument("--paths", default="fused,eager", help="comma-separated subset of fused,eager to run")
+
+    b = sub.add_parser("bench", help="grouped-matmul benchmarks with JSON and plots")
+    b.add_argument("--out", default="out/bench", help="directory for bench.json and plots")
+    b.add_argument("--quick", action="store_true", help="the small case set (seconds)")
+    b.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
+    b.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd"), default="fwdbwd")
+    return parser
+
+
+def _usage_error(message: str) -> int:
+    print(f"moe-gmm: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _progress(console):
+    def say(message: str) -> None:
+        console.print(f"[dim]- {message}[/dim]")
+
+    return say
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from moe_gmm.report.render import render_terminal, wide_console
+    from moe_gmm.report.validate import ValidateOptions, ValidationUsageError, run_validation
+
+    if args.tokens is not None and args.tokens < 1:
+        return _usage_error(f"--tokens must be >= 1, got {args.tokens}")
+    opts = ValidateOptions(
+        device=args.device, dtype=args.dtype, model=args.model, quick=args.quick, backend=args.backend,
+        seed=args.seed, num_tokens=args.tokens, plots=not args.no_plots,
+    )
+    console = wide_console()
+    try:
+        report, files = run_validation(opts, out_dir=args.out, progress=_progress(console))
+    except ValidationUsageError as exc:
+        return _usage_error(str(exc))
+    render_terminal(report, console)
+    for name, path in files.items():
+        console.print(f"wrote {path}  [dim]({name})[/dim]")
+    return EXIT_OK if report.ok else EXIT_FAIL
+
+
+def _train(args: argparse.Namespace) -> int:
+    from moe_gmm.config import ConfigError
+    from moe_gmm.report.train import TrainUsageError, run_training
+
+    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    if not paths or any(p not in ("fused", "eager") for p in paths):
+        return _usage_error(f"--paths must be a comma-separated subset of fused,eager, got {args.paths!r}")
+    if args.steps is not None and args.steps < 1:
+        return _usage_error(f"--steps must be >= 1, got {args.steps}")
+    try:
+        result = run_training(args.config, out_dir=args.out, steps=args.steps, resume=args.resume, paths=paths)
+    except (ConfigError, TrainUsageError) as exc:
+        return _usage_error(str(exc))
+    return EXIT_OK if result.ok else EXIT_FAIL
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from moe_gmm.report.bench import BenchUsageError, run_bench
+
+    try:
+        run_bench(out_dir=args.out, quick=args.quick, dtype=args.dtype, mode=args.mode)
+    except BenchUsageError as exc:
+        return _usage_error(str(exc))
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Models are built from configs; never reach for a hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed usage and the error
+        return EXIT_USAGE if exc.code not in (0, None) else EXIT_OK
+    handler = {"validate": _validate, "train": _train, "bench": _bench}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

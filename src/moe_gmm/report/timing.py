@@ -1,0 +1,104 @@
+"""Per-phase times from ``torch.profiler``: the grouped matmuls, permute/unpermute, host work, a step.
+
+Phases are read from the profiler by name, so no layer has to cooperate:
+
+- ``gmm``: the ``moe_gmm::grouped_matmul`` custom op and its two backward ops
+  (``..._grad_input``, ``..._grad_weight``), i.e. the two expert matmuls, forward and backward;
+- ``permute``: the ``moe_gmm::permute`` / ``moe_gmm::unpermute`` custom ops and their autograd nodes;
+- ``host``: time spent outside any aten kernel in our own frames (self time of the ``moe_gmm::``
+  ops, their autograd nodes and the ``moe::`` labels: Python, argument checks, dispatch) plus the
+  host syncs (``aten::item`` / ``aten::_local_scalar_dense``, e.g. reading group bounds);
+- ``step``: the whole training step, measured without the profiler (median wall time), because
+  starting the profiler and recording events inflates it.
+
+On CPU every phase is CPU time. On an accelerator the kernel phases use device time when the
+profiler recorded any, and ``host`` stays CPU time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+__all__ = ["STEP_LABEL", "PhaseTimes", "measure_phases", "median_step_ms", "synchronize"]
+
+STEP_LABEL = "moe::step"
+_GMM_KEYS = ("moe_gmm::grouped_matmul", "moe_gmm::grouped_matmul_grad_input", "moe_gmm::grouped_matmul_grad_weight")
+_PERMUTE_OPS = ("permute", "unpermute")
+_SYNC_KEYS = ("aten::_local_scalar_dense",)
+
+
+class PhaseTimes(dict):
+    """``{"gmm": ms, "permute/unpermute": ms, "host": ms}`` per step (a plain dict with a name)."""
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":  # pragma: no cover - needs torch_npu
+        torch.npu.synchronize(device)
+
+
+def median_step_ms(step: Callable[[], None], device: torch.device, *, warmup: int, repeats: int) -> tuple[float, float]:
+    """(median, spread = max - min) wall milliseconds of ``step`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples), max(samples) - min(samples)
+
+
+def _activities(device: torch.device) -> list[ProfilerActivity]:
+    acts = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    return acts
+
+
+def measure_phases(step: Callable[[], None], device: torch.device, *, steps: int) -> PhaseTimes:
+    """Run ``step`` ``steps`` times under the profiler and return per-step phase times in ms."""
+    step()  # warm-up outside the profile (first-call allocation and op registration)
+    synchronize(device)
+    with profile(activities=_activities(device)) as prof:
+        for _ in range(steps):
+            with record_function(STEP_LABEL):
+                step()
+        synchronize(device)
+    events = {e.key: e for e in prof.key_averages()}
+
+    def kernel_us(key: str) -> float:
+        e = events.get(key)
+        if e is None:
+            return 0.0
+        device_us = float(getattr(e, "device_time_total", 0.0) or 0.0)
+        return device_us if device.type != "cpu" and device_us > 0 else float(e.cpu_time_total)
+
+    gmm_us = sum(kernel_us(k) for k in _GMM_KEYS)
+    permute_us = 0.0
+    own_frames = [k for k in events if k.startswith("moe_gmm::") or k.startswith("moe::")]
+    for name in _PERMUTE_OPS:
+        permute_us += kernel_us(f"moe_gmm::{name}")
+        # The autograd node of a custom op is named GeneratedBackwardFor_<ns>_<op>_defaultBackward;
+        # its inclusive time covers the registered backward.
+        node = f"GeneratedBackwardFor_moe_gmm_{name}_defaultBackward"
+        permute_us += kernel_us(node)
+        own_frames.append(node)
+    own_frames += [f"GeneratedBackwardFor_moe_gmm_{op.split('::')[1]}_defaultBackward" for op in _GMM_KEYS[:1]]
+    host_us = sum(float(events[k].self_cpu_time_total) for k in set(own_frames) if k in events)
+    host_us += sum(float(events[k].cpu_time_total) for k in _SYNC_KEYS if k in events)
+    return PhaseTimes(
+        {
+            "gmm": gmm_us / 1e3 / steps,
+            "permute/unpermute": permute_us / 1e3 / steps,
+            "host": host_us / 1e3 / steps,
+        }
+    )

@@ -1,0 +1,299 @@
+"""``moe-gmm train``: a short run of a tiny Qwen3.5-MoE text model on the fused and the eager path.
+
+Both paths start from the same random initial weights (saved once as ``init.pt``) and see the same
+deterministic synthetic batches, so their loss curves may differ only by the grouped matmul's
+rounding. The model is the real ``transformers`` ``Qwen3_5MoeForCausalLM`` built from the config
+(no downloads); its experts run through the ``"moe_gmm"`` experts implementation, fused or on the
+eager per-expert loop.
+
+Outputs in ``out_dir``: ``losses.csv``, ``losses.png``, ``train_report.{md,json}``, one checkpoint
+per path (``ckpt_<path>.pt``, model + optimizer + losses; ``--resume`` continues from it and
+reproduces the losses of an uninterrupted run).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moe_gmm.config import RunConfig, load_config, validate_config
+from moe_gmm.report.model import Report, Row
+from moe_gmm.report.timing import measure_phases, synchronize
+from moe_gmm.testing import tolerance_for
+
+__all__ = ["TrainResult", "TrainUsageError", "build_model", "run_training", "synthetic_batch"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PATHS = ("fused", "eager")
+
+
+class TrainUsageError(ValueError):
+    """The run cannot start as asked (missing checkpoint to resume, EP unavailable...): exit code 2."""
+
+
+@dataclass
+class TrainResult:
+    losses: dict[str, list[float]]
+    step_ms: dict[str, list[float]]
+    max_abs_diff: float | None
+    report: Report
+    files: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Model and data
+# ----------------------------------------------------------------------------------------------
+
+
+def hf_text_config(cfg: RunConfig):
+    """``Qwen3_5MoeTextConfig`` from the ``model`` section (random init; nothing is downloaded)."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    m = cfg.model
+    layer_types = [
+        "full_attention" if (i + 1) % m.full_attention_interval == 0 else "linear_attention"
+        for i in range(m.num_hidden_layers)
+    ]
+    return Qwen3_5MoeTextConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        head_dim=m.head_dim,
+        linear_key_head_dim=m.linear_key_head_dim,
+        linear_value_head_dim=m.linear_value_head_dim,
+        linear_num_key_heads=m.linear_num_key_heads,
+        linear_num_value_heads=m.linear_num_value_heads,
+        layer_types=layer_types,
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
+        moe_intermediate_size=m.moe_intermediate_size,
+        shared_expert_intermediate_size=m.shared_expert_intermediate_size,
+        norm_topk_prob=m.norm_topk_prob,
+        router_aux_loss_coef=m.router_aux_loss_coef,
+        output_router_logits=m.router_aux_loss_coef > 0,
+        max_position_embeddings=m.max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+
+
+def build_model(cfg: RunConfig, path: str) -> torch.nn.Module:
+    """A ``Qwen3_5MoeForCausalLM`` whose experts run the grouped matmul, ``path`` = fused | eager."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from moe_gmm.integrations.transformers import register_moe_gmm_experts
+
+    register_moe_gmm_experts()
+    hf_cfg = hf_text_config(cfg)
+    hf_cfg.use_grouped_expert_matmul = path == "fused" and cfg.model.use_grouped_expert_matmul
+    hf_cfg.gmm_backend = cfg.model.gmm_backend if path == "fused" else None
+    torch.manual_seed(cfg.seed)
+    model = Qwen3_5MoeForCausalLM(hf_cfg)
+    model.set_experts_implementation("moe_gmm")
+    return model
+
+
+def synthetic_batch(cfg: RunConfig, step: int) -> torch.Tensor:
+    """``[B, S]`` token ids for ``step``: a fixed random successor table followed 90% of the time.
+
+    A pure function of (seed, step), so a resumed run sees the same batches; the structure makes
+    the loss fall visibly within a few steps.
+    """
+    m, t = cfg.model, cfg.training
+    table = torch.randperm(m.vocab_size, generator=torch.Generator().manual_seed(cfg.seed + 7))
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    ids = torch.empty(t.micro_batch_size, t.seq_len, dtype=torch.int64)
+    ids[:, 0] = torch.randint(0, m.vocab_size, (t.micro_batch_size,), generator=g)
+    noise = torch.randint(0, m.vocab_size, (t.micro_batch_size, t.seq_len), generator=g)
+    follow = torch.rand(t.micro_batch_size, t.seq_len, generator=g) < 0.9
+    for s in range(1, t.seq_len):
+        ids[:, s] = torch.where(follow[:, s], table[ids[:, s - 1]], noise[:, s])
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
+
+
+def _optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+
+
+def _train_step(cfg: RunConfig, model, opt, step: int, device: torch.device) -> float:
+    ids = synthetic_batch(cfg, step).to(device)
+    opt.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    if cfg.training.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.grad_clip)
+    opt.step()
+    return float(loss.detach())  # host sync: the loss is logged every step
+
+
+def _save(path: Path, model, opt, step: int, losses: list[float], step_ms: list[float]) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "losses": losses,
+                "step_ms": step_ms}, tmp)
+    os.replace(tmp, path)  # never leave a half-written checkpoint behind
+
+
+def _run_path(cfg: RunConfig, path: str, out: Path, steps: int, resume: bool, device, dtype, progress) -> tuple:
+    model = build_model(cfg, path)
+    model.load_state_dict(torch.load(out / "init.pt", weights_only=True))
+    model.to(device=device, dtype=dtype).train()
+    opt = _optimizer(cfg, model)
+    ckpt_path = out / f"ckpt_{path}.pt"
+    losses: list[float] = []
+    step_ms: list[float] = []
+    if resume:
+        if not ckpt_path.exists():
+            raise TrainUsageError(f"--resume: no checkpoint {ckpt_path} (run without --resume first)")
+        state = torch.load(ckpt_path, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        losses, step_ms = list(state["losses"]), list(state["step_ms"])
+        if len(losses) >= steps:
+            raise TrainUsageError(f"--resume: checkpoint {ckpt_path} is already at step {len(losses)} >= --steps {steps}")
+    task = progress.add_task(f"train {path}", total=steps, completed=len(losses))
+    every = cfg.training.checkpoint_every
+    for step in range(len(losses) + 1, steps + 1):
+        start = time.perf_counter()
+        losses.append(_train_step(cfg, model, opt, step, device))
+        synchronize(device)
+        step_ms.append((time.perf_counter() - start) * 1e3)
+        progress.update(task, advance=1, description=f"train {path} loss {losses[-1]:.4f}")
+        if (every and step % every == 0) or step == steps:
+            _save(ckpt_path, model, opt, step, losses, step_ms)
+    # Phase breakdown on a copy, so profiling does not move the trained weights.
+    probe = build_model(cfg, path)
+    probe.load_state_dict(model.state_dict())
+    probe.to(device=device, dtype=dtype).train()
+    probe_opt = _optimizer(cfg, probe)
+    phases = measure_phases(lambda: _train_step(cfg, probe, probe_opt, steps + 1, device), device, steps=2)
+    return losses, step_ms, phases
+
+
+def _check_parallel(cfg: RunConfig) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_config(cfg, world_size=world)
+    if cfg.parallel.expert_parallel_size > 1 or world > 1:
+        raise TrainUsageError(
+            f"parallel.expert_parallel_size={cfg.parallel.expert_parallel_size} (world size {world}): "
+            "expert-parallel training is not wired into `moe-gmm train` in this version; set it to 1 "
+            "and run a single process"
+        )
+
+
+def run_training(
+    config: str | Path | RunConfig,
+    *,
+    out_dir: str | Path = "out/train",
+    steps: int | None = None,
+    resume: bool = False,
+    paths: tuple[str, ...] = PATHS,
+    console=None,
+) -> TrainResult:
+    """Train every path in ``paths`` for ``steps`` (default ``training.steps``); write CSV/PNG/report."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from moe_gmm.report.render import render_terminal, wide_console, write_report
+
+    cfg = config if isinstance(config, RunConfig) else load_config(config)
+    _check_parallel(cfg)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise TrainUsageError("device: cuda requested but torch.cuda.is_available() is False")
+    steps = steps or cfg.training.steps
+    device, dtype = torch.device(cfg.device), _DTYPES[cfg.dtype]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if not resume or not (out / "init.pt").exists():
+        if resume:
+            raise TrainUsageError(f"--resume: no {out / 'init.pt'} (run without --resume first)")
+        torch.save(build_model(cfg, "eager").state_dict(), out / "init.pt")
+    console = console or wide_console()
+    losses, step_ms, phases = {}, {}, {}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        for path in paths:
+            losses[path], step_ms[path], phases[path] = _run_path(cfg, path, out, steps, resume, device, dtype, progress)
+    report, max_diff = _report(cfg, losses, step_ms, phases, dtype)
+    files = write_report(report, out)
+    files["markdown"] = files["markdown"].rename(out / "train_report.md")
+    files["json"] = files["json"].rename(out / "train_report.json")
+    files["csv"] = _write_csv(out / "losses.csv", losses, step_ms)
+    if importlib.util.find_spec("matplotlib") is not None:  # the optional "plot" extra
+        from moe_gmm.report.plots import plot_loss_curves
+
+        files["plot"] = plot_loss_curves(losses, out / "losses.png")
+    render_terminal(report, console)
+    for name, p in files.items():
+        console.print(f"wrote {p}  [dim]({name})[/dim]")
+    return TrainResult(losses, step_ms, max_diff, report, files)
+
+
+def _write_csv(path: Path, losses: dict[str, list[float]], step_ms: dict[str, list[float]]) -> Path:
+    names = list(losses)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        header = ["step", *[f"loss_{n}" for n in names], *[f"step_ms_{n}" for n in names]]
+        if "fused" in losses and "eager" in losses:
+            header.append("abs_diff")
+        w.writerow(header)
+        for i in range(len(losses[names[0]])):
+            row = [i + 1, *[f"{losses[n][i]:.8f}" for n in names], *[f"{step_ms[n][i]:.3f}" for n in names]]
+            if "abs_diff" in header:
+                row.append(f"{abs(losses['fused'][i] - losses['eager'][i]):.3e}")
+            w.writerow(row)
+    return path
+
+
+def _report(cfg: RunConfig, losses, step_ms, phases, dtype) -> tuple[Report, float | None]:
+    tol = tolerance_for(dtype)
+    report = Report(
+        title="moe-gmm train: fused vs eager loss alignment",
+        meta={"model": cfg.model.model_id, "dtype": cfg.dtype, "device": cfg.device, "seed": cfg.seed,
+              "steps": len(next(iter(losses.values()))), "E": cfg.model.num_experts, "top_k": cfg.model.num_experts_per_tok,
+              "layers": cfg.model.num_hidden_layers, "torch": torch.__version__},
+    )
+    sec = "loss"
+    get = lambda p, i: losses[p][i] if p in losses else None  # noqa: E731
+    report.add(Row(sec, "first loss", "loss", get("eager", 0), get("fused", 0), None, None))
+    report.add(Row(sec, "final loss", "loss", get("eager", -1), get("fused", -1), None, None))
+    for p in losses:
+        falling = losses[p][-1] < losses[p][0]
+        report.add(Row(sec, f"loss decreases ({p})", "final < first", losses[p][0], losses[p][-1], None,
+                       falling and all(map(_finite, losses[p])), "eager column: first loss, fused column: final loss"))
+    max_diff = None
+    if "fused" in losses and "eager" in losses:
+        diffs = [abs(f - e) for f, e in zip(losses["fused"], losses["eager"])]
+        bounds = [tol.atol + tol.rtol * abs(e) for e in losses["eager"]]
+        worst = max(range(len(diffs)), key=lambda i: diffs[i] / bounds[i])
+        max_diff = max(diffs)
+        report.add(Row(sec, "max |loss_fused - loss_eager| over steps", "abs diff", None, max_diff,
+                       f"rtol={tol.rtol:g} atol={tol.atol:g}", all(d <= b for d, b in zip(diffs, bounds)),
+                       f"worst step {worst + 1}; per-step values in losses.csv", details={"per_step": diffs}))
+    sec = "time (ms per step)"
+    get_ms = lambda p: statistics.median(step_ms[p]) if p in step_ms else None  # noqa: E731
+    report.add(Row(sec, "training step (median)", "ms", get_ms("eager"), get_ms("fused"), None, None,
+                   "whole model: forward, loss, backward, clip, AdamW"))
+    for key in ("gmm", "permute/unpermute", "host"):
+        report.add(Row(sec, f"{key} (profiler, per step)", "ms", phases.get("eager", {}).get(key),
+                       phases.get("fused", {}).get(key), None, None))
+    return report, max_diff
+
+
+def _finite(v: float) -> bool:
+    return v == v and abs(v) != float("inf")
