@@ -1,0 +1,1 @@
+"""Adapters to other libraries; each imports its library lazily."""

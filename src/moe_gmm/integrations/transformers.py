@@ -1,0 +1,231 @@
+"""Run Hugging Face MoE models' routed experts on moe-gmm's grouped matmul.
+
+Hugging Face (transformers >= 5) experts modules store ``gate_up_proj [E, 2I, H]`` (rows ``[:I]``
+gate, ``[I:]`` up) and ``down_proj [E, H, I]`` and dispatch their forward through
+``transformers.integrations.moe.ExpertsInterface``. :func:`register_moe_gmm_experts` adds the
+implementation ``"moe_gmm"`` there::
+
+    from moe_gmm.integrations.transformers import register_moe_gmm_experts
+
+    register_moe_gmm_experts()
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="moe_gmm")
+    # or, on a loaded model: model.set_experts_implementation("moe_gmm")
+
+It runs ``permute -> GMM -> SwiGLU -> GMM -> unpermute`` on the module's own parameters, passing
+``.transpose(1, 2)`` views to the grouped matmul: no weight is copied per step and gradients land
+on the Hugging Face parameters. Attention, dense MLPs, routers and shared experts are untouched.
+
+The state-dict converters map between Hugging Face's experts layout and
+:class:`~moe_gmm.layers.SparseMoeBlock`'s (``[E, H, 2I]`` / ``[E, I, H]``); every other key passes
+through unchanged, so a Qwen3.5-MoE sparse block's state dict loads into a ``SparseMoeBlock``.
+
+transformers is imported lazily: importing this module does not need it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from moe_gmm.layers.moe_block import MoeBlockConfig
+from moe_gmm.ops.expert_mlp import expert_mlp
+from moe_gmm.ops.grouped_matmul import grouped_matmul
+from moe_gmm.ops.permute import permute, unpermute
+
+__all__ = [
+    "hf_to_moe_gmm_state_dict",
+    "make_moe_gmm_experts_forward",
+    "moe_block_config_from_hf",
+    "moe_gmm_to_hf_state_dict",
+    "register_moe_gmm_experts",
+]
+
+# ``<prefix>experts.gate_up_proj`` / ``<prefix>experts.down_proj``: the stacked 3-D expert weights.
+_STACKED_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?experts\.)(?P<name>gate_up_proj|down_proj)$")
+# ``<prefix>experts.<e>.{gate,up,down}_proj.weight``: per-expert nn.Linear weights (hub checkpoints).
+_PER_EXPERT_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?experts\.)(?P<e>\d+)\.(?P<name>gate_proj|up_proj|down_proj)\.weight$")
+
+
+# --------------------------------------------------------------------------------------------
+# The experts forward registered in transformers.
+# --------------------------------------------------------------------------------------------
+
+
+def _is_plain_swiglu(module: torch.nn.Module) -> bool:
+    """True when ``module``'s gating is ``silu(gate) * up`` on concatenated halves (our swiglu op)."""
+    from transformers.activations import SiLUActivation
+    from transformers.integrations.moe import _default_apply_gate
+
+    return (
+        module.has_gate
+        and getattr(module, "is_concatenated", True)
+        and type(module)._apply_gate is _default_apply_gate
+        and isinstance(module.act_fn, (torch.nn.SiLU, SiLUActivation))
+    )
+
+
+def make_moe_gmm_experts_forward(*, backend: str | None = None, fused: bool = True) -> Callable[..., torch.Tensor]:
+    """An experts forward ``fn(self, hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
+
+    ``backend`` forces a grouped-matmul backend (default: ``$MOE_GMM_BACKEND`` or auto);
+    ``fused=False`` runs the eager per-expert loop. Plain SwiGLU experts (Qwen3.5-MoE, Qwen3-MoE,
+    Mixtral, OLMoE, ...) take :func:`~moe_gmm.ops.expert_mlp`; other gates (interleaved halves,
+    other activations), biases and post-expert norms keep the grouped matmuls and call the module's
+    own ``_apply_gate`` / ``act_fn`` / ``post_expert_norm`` in between.
+    """
+
+    def moe_gmm_experts_forward(
+        self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        if getattr(self, "_is_expert_parallel", False):
+            raise NotImplementedError(
+                "experts_implementation='moe_gmm' does not run under transformers' expert parallelism; "
+                "use moe_gmm.parallel (apply_expert_parallel) instead"
+            )
+        first = self.gate_up_proj if self.has_gate else self.up_proj
+        second = self.down_proj
+        if not self.is_transposed:
+            # [E, out, in] -> [E, in, out] views, read in place by the grouped matmul.
+            first, second = first.transpose(1, 2), second.transpose(1, 2)
+        # Same rule as transformers' grouped_mm path: the input follows the weights' dtype (autocast).
+        x_TH = hidden_states.to(first.dtype)
+        with record_function("moe::permute"):
+            # Ids come from the model's router top-k: in range by construction, no host sync.
+            permuted_RH, row_id_map_R, counts_E = permute(x_TH, top_k_index, self.num_experts, validate=False)
+        gmm = dict(fused=fused, backend=backend, validate=False)
+        if not self.has_bias and not self.has_post_expert_norm and _is_plain_swiglu(self):
+            out_RH = expert_mlp(permuted_RH, counts_E, first, second, **gmm)
+        else:
+            out_RH = _generic_expert_mlp(self, permuted_RH, counts_E, first, second, gmm)
+        with record_function("moe::unpermute"):
+            out_TH = unpermute(out_RH, row_id_map_R, top_k_weights)
+        return out_TH.to(hidden_states.dtype)
+
+    return moe_gmm_experts_forward
+
+
+def _generic_expert_mlp(self, x_RH, counts_E, first_EKN, second_EKN, gmm: dict[str, Any]) -> torch.Tensor:
+    """GMM -> the module's own gate or activation -> GMM, with optional biases and post-expert norm."""
+    expert_of_row_R = None
+    if self.has_bias:
+        expert_of_row_R = torch.repeat_interleave(
+            torch.arange(self.num_experts, device=x_RH.device), counts_E, output_size=x_RH.shape[0]
+        )
+    with record_function("moe::gmm"):
+        h = grouped_matmul(x_RH, first_EKN, counts_E, **gmm)
+    if expert_of_row_R is not None:
+        h = h + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[expert_of_row_R]
+    with record_function("moe::swiglu"):
+        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    with record_function("moe::gmm"):
+        y = grouped_matmul(h, second_EKN, counts_E, **gmm)
+    if expert_of_row_R is not None:
+        y = y + self.down_proj_bias[expert_of_row_R]
+    if self.has_post_expert_norm:
+        y = self.post_expert_norm(y)
+    return y
+
+
+def register_moe_gmm_experts(name: str = "moe_gmm", *, backend: str | None = None, fused: bool = True) -> str:
+    """Register the moe-gmm experts forward in transformers' ``ExpertsInterface`` under ``name``.
+
+    Global and idempotent (a second call replaces the entry). Returns ``name``, the value for
+    ``experts_implementation=``. Raises ``ImportError`` when transformers is missing or too old.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as exc:  # transformers absent, or < 5 (no experts interface)
+        raise ImportError(
+            "register_moe_gmm_experts needs transformers>=5.24 (pip install 'moe-gmm[hf]')"
+        ) from exc
+    ExpertsInterface.register(name, make_moe_gmm_experts_forward(backend=backend, fused=fused))
+    return name
+
+
+# --------------------------------------------------------------------------------------------
+# Config and state-dict conversion.
+# --------------------------------------------------------------------------------------------
+
+
+def moe_block_config_from_hf(hf_config: Any, **overrides: Any) -> MoeBlockConfig:
+    """A :class:`MoeBlockConfig` from a Hugging Face MoE text config (Qwen3.5-MoE, Qwen3-MoE, ...).
+
+    Reads ``hidden_size``, ``num_experts`` (or ``num_local_experts``), ``num_experts_per_tok``,
+    ``moe_intermediate_size`` (or ``intermediate_size``), ``shared_expert_intermediate_size``
+    (0 when absent), ``norm_topk_prob`` (True when absent, as Qwen3.5-MoE always renormalises) and
+    ``router_aux_loss_coef``; ``overrides`` win.
+    """
+    if getattr(hf_config, "hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"hf_config.hidden_act must be 'silu' for a SwiGLU block, got {hf_config.hidden_act!r}")
+
+    def first(*names: str, default: Any = None) -> Any:
+        for n in names:
+            if getattr(hf_config, n, None) is not None:
+                return getattr(hf_config, n)
+        if default is None:
+            raise ValueError(f"hf_config has none of {names}")
+        return default
+
+    fields = dict(
+        hidden_size=first("hidden_size"),
+        num_experts=first("num_experts", "num_local_experts"),
+        num_experts_per_tok=first("num_experts_per_tok"),
+        moe_intermediate_size=first("moe_intermediate_size", "intermediate_size"),
+        shared_expert_intermediate_size=first("shared_expert_intermediate_size", default=0),
+        norm_topk_prob=bool(first("norm_topk_prob", default=True)),
+        router_aux_loss_coef=float(first("router_aux_loss_coef", default=0.0)),
+    )
+    fields.update(overrides)
+    return MoeBlockConfig(**fields)
+
+
+def hf_to_moe_gmm_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face experts layout -> moe-gmm layout; other keys pass through unchanged.
+
+    ``*experts.gate_up_proj [E, 2I, H]`` -> ``[E, H, 2I]`` and ``*experts.down_proj [E, H, I]`` ->
+    ``[E, I, H]`` (contiguous copies). Per-expert checkpoint keys
+    ``*experts.<e>.{gate,up,down}_proj.weight`` are stacked into the same two tensors.
+    """
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for key, value in state_dict.items():
+        if m := _STACKED_KEY.match(key):
+            out[key] = _transposed(key, value)
+        elif m := _PER_EXPERT_KEY.match(key):
+            per_expert.setdefault(m["prefix"], {}).setdefault(m["name"], {})[int(m["e"])] = value
+        else:
+            out[key] = value
+    for prefix, parts in per_expert.items():
+        num_experts = 1 + max(e for experts in parts.values() for e in experts)
+        stacks = {}
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            experts = parts.get(name, {})
+            if sorted(experts) != list(range(num_experts)):
+                raise ValueError(
+                    f"state_dict has incomplete per-expert weights under {prefix!r}: {name} for experts "
+                    f"{sorted(experts)}, expected 0..{num_experts - 1}"
+                )
+            stacks[name] = torch.stack([experts[e] for e in range(num_experts)])
+        # nn.Linear weights [out, in]: gate/up [I, H] -> [E, H, 2I]; down [H, I] -> [E, I, H].
+        gate_up_E2IH = torch.cat((stacks["gate_proj"], stacks["up_proj"]), dim=1)
+        out[prefix + "gate_up_proj"] = gate_up_E2IH.transpose(1, 2).contiguous()
+        out[prefix + "down_proj"] = stacks["down_proj"].transpose(1, 2).contiguous()
+    return out
+
+
+def moe_gmm_to_hf_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """moe-gmm layout -> Hugging Face experts layout (the inverse transposes); other keys pass through."""
+    return {key: (_transposed(key, value) if _STACKED_KEY.match(key) else value) for key, value in state_dict.items()}
+
+
+def _transposed(key: str, value: torch.Tensor) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 3:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"state_dict[{key!r}] must be a 3-D [E, ., .] tensor, got {shape}")
+    return value.transpose(1, 2).contiguous()
