@@ -9,7 +9,8 @@ Legend: M rows grouped by expert, K input features, N output features, E experts
   expert without rows writes zeros.
 
 Triton is imported, and the kernels defined, on the first call (``_kernels()``), so the
-interpreter (``TRITON_INTERPRET=1``, CPU tensors) can be switched on by a test before that. Under
+interpreter (``TRITON_INTERPRET=1``, CPU tensors) can be switched on by a test before that; the
+variable must be set before triton itself is first imported (it fixes the standard library then). Under
 the interpreter, bf16 operands are upcast to fp32 before ``tl.dot`` because the interpreter's
 bf16 dot is wrong upstream; compiled GPU kernels keep native bf16.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -46,10 +48,22 @@ def _kernels() -> ModuleType:
     global _kernels_module, _kernels_interpreted
     if _kernels_module is None:
         _kernels_interpreted = interpreting()
+        if _kernels_interpreted:
+            _check_interpreter_import_order()
         from moe_gmm.ops.backends import triton_kernels
 
         _kernels_module = triton_kernels
     return _kernels_module
+
+
+def _check_interpreter_import_order() -> None:
+    """Triton defines its standard library (``tl.zeros``, ``tl.sum``...) when it is imported; only
+    if ``TRITON_INTERPRET=1`` was set by then can interpreted kernels call it."""
+    standard = sys.modules.get("triton.language.standard")
+    if standard is not None and type(standard.zeros).__name__ != "InterpretedFunction":
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set after triton was imported; set it before the first `import triton`"
+        )
 
 
 @dataclass(frozen=True)
