@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     t.add_argument("--out", default="out/train", help="directory for losses.csv, losses.png, report, checkpoints")
     t.add_argument("--paths", default="fused,eager", help="comma-separated subset of fused,eager to run")
+    t.add_argument("--profile-steps", type=int, default=2,
+                   help="extra profiled steps per path for the time breakdown (0: none)")
 
     b = sub.add_parser("bench", help="grouped-matmul benchmarks with JSON and plots")
     b.add_argument("--out", default="out/bench", help="directory for bench.json and plots")
@@ -92,8 +94,11 @@ def _train(args: argparse.Namespace) -> int:
         return _usage_error(f"--paths must be a comma-separated subset of fused,eager, got {args.paths!r}")
     if args.steps is not None and args.steps < 1:
         return _usage_error(f"--steps must be >= 1, got {args.steps}")
+    if args.profile_steps < 0:
+        return _usage_error(f"--profile-steps must be >= 0, got {args.profile_steps}")
     try:
-        result = run_training(args.config, out_dir=args.out, steps=args.steps, resume=args.resume, paths=paths)
+        result = run_training(args.config, out_dir=args.out, steps=args.steps, resume=args.resume, paths=paths,
+                              profile_steps=args.profile_steps)
     except (ConfigError, TrainUsageError) as exc:
         return _usage_error(str(exc))
     return EXIT_OK if result.ok else EXIT_FAIL

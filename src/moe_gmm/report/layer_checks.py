@@ -256,9 +256,8 @@ def timing_rows(report: Report, opts, device: torch.device, shape: ModelConfig) 
     eager, fused = build_block_pair(shape, opts.torch_dtype, device, opts.seed, opts.backend)
     g = torch.Generator().manual_seed(opts.seed + 300)
     x_TH = torch.randn(opts.tokens, shape.hidden_size, generator=g).to(device=device, dtype=opts.torch_dtype)
-    profiled_steps, warmup, repeats = (3, 1, 5) if opts.quick else (10, 3, 20)
-    times: dict[str, dict[str, float]] = {}
-    spreads = {}
+    profiled_steps, warmup, repeats = (3, 2, 10) if opts.quick else (10, 3, 30)
+    steps = {}
     for name, block in (("eager", eager), ("fused", fused)):
         opt = torch.optim.SGD(block.parameters(), lr=1e-3)
 
@@ -268,15 +267,19 @@ def timing_rows(report: Report, opts, device: torch.device, shape: ModelConfig) 
             y.float().square().mean().backward()
             opt.step()
 
-        phases = measure_phases(step, device, steps=profiled_steps)
-        step_ms, spread = median_step_ms(step, device, warmup=warmup, repeats=repeats)
-        times[name] = {**phases, "step": step_ms}
+        steps[name] = step
+    times: dict[str, dict[str, float]] = {name: dict(measure_phases(fn, device, steps=profiled_steps))
+                                          for name, fn in steps.items()}
+    walls = median_step_ms(steps, device, warmup=warmup, repeats=repeats)
+    spreads = {}
+    for name, (median, spread) in walls.items():
+        times[name]["step"] = median
         spreads[name] = spread
     labels = {
         "gmm": ("GMM time (the two expert matmuls, fwd+bwd)", "profiler: moe_gmm::grouped_matmul + its 2 backward ops"),
         "permute/unpermute": ("permute/unpermute time (fwd+bwd)", "profiler: moe_gmm::permute/unpermute + autograd nodes"),
         "host": ("host time", "self time of moe_gmm ops/labels (Python, checks, dispatch) + .item() syncs"),
-        "step": ("MoE block training step (fwd+bwd+SGD)", f"median of {repeats}, no profiler"),
+        "step": ("MoE block training step (fwd+bwd+SGD)", f"median of {repeats}, interleaved, no profiler"),
     }
     for key, (check, how) in labels.items():
         e, f = times["eager"][key], times["fused"][key]

@@ -43,18 +43,26 @@ def synchronize(device: torch.device) -> None:
         torch.npu.synchronize(device)
 
 
-def median_step_ms(step: Callable[[], None], device: torch.device, *, warmup: int, repeats: int) -> tuple[float, float]:
-    """(median, spread = max - min) wall milliseconds of ``step`` after ``warmup`` calls."""
+def median_step_ms(
+    steps: dict[str, Callable[[], None]], device: torch.device, *, warmup: int, repeats: int
+) -> dict[str, tuple[float, float]]:
+    """``{name: (median, spread = max - min)}`` wall milliseconds per call, after ``warmup`` calls.
+
+    The callables are timed interleaved (a, b, a, b, ...) so that load from other processes
+    falls on all of them alike rather than on whichever ran during a busy second.
+    """
     for _ in range(warmup):
-        step()
+        for step in steps.values():
+            step()
     synchronize(device)
-    samples = []
+    samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples), max(samples) - min(samples)
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: (statistics.median(v), max(v) - min(v)) for name, v in samples.items()}
 
 
 def _activities(device: torch.device) -> list[ProfilerActivity]:

@@ -90,18 +90,24 @@ def hf_text_config(cfg: RunConfig):
 
 
 def build_model(cfg: RunConfig, path: str) -> torch.nn.Module:
-    """A ``Qwen3_5MoeForCausalLM`` whose experts run the grouped matmul, ``path`` = fused | eager."""
+    """A ``Qwen3_5MoeForCausalLM`` whose experts run moe-gmm's grouped matmul.
+
+    ``path="fused"`` uses the configured backend (``model.gmm_backend``; the eager loop when
+    ``model.use_grouped_expert_matmul`` is false), ``path="eager"`` the per-expert loop.
+    """
     from transformers import Qwen3_5MoeForCausalLM
 
     from moe_gmm.integrations.transformers import register_moe_gmm_experts
 
-    register_moe_gmm_experts()
-    hf_cfg = hf_text_config(cfg)
-    hf_cfg.use_grouped_expert_matmul = path == "fused" and cfg.model.use_grouped_expert_matmul
-    hf_cfg.gmm_backend = cfg.model.gmm_backend if path == "fused" else None
+    if path == "fused":
+        impl = register_moe_gmm_experts(
+            "moe_gmm", backend=cfg.model.gmm_backend, fused=cfg.model.use_grouped_expert_matmul
+        )
+    else:
+        impl = register_moe_gmm_experts("moe_gmm_eager", fused=False)
     torch.manual_seed(cfg.seed)
-    model = Qwen3_5MoeForCausalLM(hf_cfg)
-    model.set_experts_implementation("moe_gmm")
+    model = Qwen3_5MoeForCausalLM(hf_text_config(cfg))
+    model.set_experts_implementation(impl)
     return model
 
 
@@ -150,7 +156,9 @@ def _save(path: Path, model, opt, step: int, losses: list[float], step_ms: list[
     os.replace(tmp, path)  # never leave a half-written checkpoint behind
 
 
-def _run_path(cfg: RunConfig, path: str, out: Path, steps: int, resume: bool, device, dtype, progress) -> tuple:
+def _run_path(
+    cfg: RunConfig, path: str, out: Path, steps: int, resume: bool, device, dtype, progress, profile_steps: int
+) -> tuple:
     model = build_model(cfg, path)
     model.load_state_dict(torch.load(out / "init.pt", weights_only=True))
     model.to(device=device, dtype=dtype).train()
@@ -177,12 +185,14 @@ def _run_path(cfg: RunConfig, path: str, out: Path, steps: int, resume: bool, de
         progress.update(task, advance=1, description=f"train {path} loss {losses[-1]:.4f}")
         if (every and step % every == 0) or step == steps:
             _save(ckpt_path, model, opt, step, losses, step_ms)
+    if not profile_steps:
+        return losses, step_ms, {}
     # Phase breakdown on a copy, so profiling does not move the trained weights.
     probe = build_model(cfg, path)
     probe.load_state_dict(model.state_dict())
     probe.to(device=device, dtype=dtype).train()
     probe_opt = _optimizer(cfg, probe)
-    phases = measure_phases(lambda: _train_step(cfg, probe, probe_opt, steps + 1, device), device, steps=2)
+    phases = measure_phases(lambda: _train_step(cfg, probe, probe_opt, steps + 1, device), device, steps=profile_steps)
     return losses, step_ms, phases
 
 
@@ -204,9 +214,14 @@ def run_training(
     steps: int | None = None,
     resume: bool = False,
     paths: tuple[str, ...] = PATHS,
+    profile_steps: int = 2,
     console=None,
 ) -> TrainResult:
-    """Train every path in ``paths`` for ``steps`` (default ``training.steps``); write CSV/PNG/report."""
+    """Train every path in ``paths`` for ``steps`` (default ``training.steps``); write CSV/PNG/report.
+
+    After training, ``profile_steps`` extra steps on a copy of each trained model run under the
+    profiler for the phase breakdown (0 skips it).
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from moe_gmm.report.render import render_terminal, wide_console, write_report
@@ -228,7 +243,9 @@ def run_training(
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         for path in paths:
-            losses[path], step_ms[path], phases[path] = _run_path(cfg, path, out, steps, resume, device, dtype, progress)
+            losses[path], step_ms[path], phases[path] = _run_path(
+                cfg, path, out, steps, resume, device, dtype, progress, profile_steps
+            )
     report, max_diff = _report(cfg, losses, step_ms, phases, dtype)
     files = write_report(report, out)
     files["markdown"] = files["markdown"].rename(out / "train_report.md")
@@ -289,9 +306,15 @@ def _report(cfg: RunConfig, losses, step_ms, phases, dtype) -> tuple[Report, flo
     get_ms = lambda p: statistics.median(step_ms[p]) if p in step_ms else None  # noqa: E731
     report.add(Row(sec, "training step (median)", "ms", get_ms("eager"), get_ms("fused"), None, None,
                    "whole model: forward, loss, backward, clip, AdamW"))
-    for key in ("gmm", "permute/unpermute", "host"):
-        report.add(Row(sec, f"{key} (profiler, per step)", "ms", phases.get("eager", {}).get(key),
-                       phases.get("fused", {}).get(key), None, None))
+    notes = {
+        "gmm": "the two expert matmuls of every MoE layer, fwd+bwd",
+        "permute/unpermute": "token permute/unpermute of every MoE layer, fwd+bwd",
+        "host": "Python, checks and dispatch outside aten kernels (whole model) + host syncs",
+    }
+    for key, note in notes.items():
+        if any(key in ph for ph in phases.values()):
+            report.add(Row(sec, f"{key} (profiler, per step)", "ms", phases.get("eager", {}).get(key),
+                           phases.get("fused", {}).get(key), None, None, note))
     return report, max_diff
 
 
