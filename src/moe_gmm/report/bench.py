@@ -3,8 +3,8 @@
 The harness does the timing (warm-up, interleaved repeats, medians, correctness column, machine
 header, progress bar, JSON); this module chooses its arguments, then draws from the JSON:
 
-- ``gmm_time_vs_rows.png``: median time against mean rows per active expert, one line per
-  implementation and projection;
+- ``gmm_time_vs_rows.png``: median time and achieved GFLOP/s against mean rows per active
+  expert, one marker per implementation, projection, dtype and mode;
 - ``gmm_roofline.png``: achieved GFLOP/s per case against the roofline-attainable rate
   (``flops / floor_s``, the faster of the compute and memory bounds measured on this machine).
 """
@@ -53,14 +53,14 @@ def plot_bench_json(json_path: str | Path, out_dir: str | Path) -> dict[str, Pat
     data = json.loads(Path(json_path).read_text())
     rows = [r for r in data["rows"] if r.get("median_s") is not None]
     out = Path(out_dir)
-    times: dict[str, list[tuple[float, float]]] = {}
+    times: dict[str, list[tuple[float, float, float]]] = {}
     achieved: dict[str, list[tuple[str, float]]] = {}
     for r in rows:
         params = r.get("params", {})
         active = max(1, int(params.get("active_experts", 1)))
         rows_per_expert = float(params.get("M", 0)) / active
         series = f"{r['impl']} {r.get('label', '')} {r['dtype']} {r['mode']}".strip()
-        times.setdefault(series, []).append((rows_per_expert, r["median_s"] * 1e3))
+        times.setdefault(series, []).append((rows_per_expert, r["median_s"] * 1e3, r["gflops"]))
         achieved.setdefault(f"{r['impl']} {r['dtype']}", []).append((_case_label(r), r["gflops"]))
         if r.get("floor_s"):
             achieved.setdefault(f"roofline {r['dtype']}", [])

@@ -108,19 +108,28 @@ def plot_loss_curves(losses: Mapping[str, Sequence[float]], path: str | Path) ->
     return _save(fig, path)
 
 
-def plot_bench_times(series: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, xlabel: str) -> Path:
-    """Lines of (x, ms) per implementation, log-log."""
+def plot_bench_times(
+    series: Mapping[str, Sequence[tuple[float, float, float]]], path: str | Path, xlabel: str
+) -> Path:
+    """Two scatter panels against ``x``: median ms, and achieved GFLOP/s; points are (x, ms, GFLOP/s).
+
+    Cases of different shapes share an x value, so points are not joined by lines.
+    """
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, points in series.items():
-        points = sorted(points)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("median ms")
-    ax.set_title("grouped matmul time")
-    ax.legend(fontsize=8)
+    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(11, 4))
+    markers = "osD^v<>ph*"
+    for i, (name, points) in enumerate(series.items()):
+        xs = [p[0] for p in points]
+        ax_t.scatter(xs, [p[1] for p in points], marker=markers[i % len(markers)], label=name, alpha=0.8)
+        ax_r.scatter(xs, [p[2] for p in points], marker=markers[i % len(markers)], label=name, alpha=0.8)
+    for ax, ylabel in ((ax_t, "median ms"), (ax_r, "achieved GFLOP/s")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+    ax_t.set_title("time per case")
+    ax_r.set_title("achieved throughput")
+    ax_r.legend(fontsize=7)
     return _save(fig, path)
 
 
