@@ -48,7 +48,6 @@ def test_gate_is_first_half_matching_hf_chunk():
 def test_gradcheck_and_opcheck():
     x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(swiglu, (x,))
-    assert torch.autograd.gradgradcheck(swiglu, (x,))
     torch.library.opcheck(torch.ops.moe_gmm.swiglu.default, (torch.randn(3, 8, requires_grad=True),))
 
 

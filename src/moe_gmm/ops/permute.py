@@ -14,8 +14,8 @@ meaning of torch_npu's ``sorted_indices``). It is a permutation of ``range(R)``.
 Both ops are ``torch.library`` custom ops (fake and autograd registered), so ``torch.compile``
 traces a layer through them. Neither uses atomics: the forward of ``permute`` and the backward of
 ``unpermute`` are gathers / unique-index scatters, and every sum over the k slots is a gather into
-``[T, k, H]`` reduced in a fixed order, accumulated in float32 for 16-bit inputs. Results are
-therefore bitwise reproducible.
+``[T, k, H]`` reduced over k by one kernel (``sum`` or a ``[T, 1, k] @ [T, k, H]`` batched GEMM),
+accumulated in float32 for 16-bit inputs. Results are therefore reproducible run to run.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ def _weighted_slot_sum(src_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_T
     num_tokens = num_rows // top_k if top_k > 0 else 0
     acc = _acc_dtype(src_RH.dtype)
     gathered_TkH = src_RH.index_select(0, row_id_map_R).view(num_tokens, top_k, hidden).to(acc)
-    if probs_Tk is not None:
-        gathered_TkH = gathered_TkH * probs_Tk.to(acc).unsqueeze(-1)
-    return gathered_TkH.sum(dim=1).to(src_RH.dtype)
+    if probs_Tk is None:
+        return gathered_TkH.sum(dim=1).to(src_RH.dtype)
+    # [T, 1, k] @ [T, k, H]: the weighted k-way sum in one batched GEMM, no [T, k, H] temporary.
+    return torch.bmm(probs_Tk.to(acc).unsqueeze(1), gathered_TkH).squeeze(1).to(src_RH.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,8 +135,8 @@ def _unpermute_backward(ctx, grad_out_TH):
         grad_expert_out[row_id_map_R] = flat_RH.to(expert_out_RH.dtype)
     if ctx.needs_input_grad[2]:
         # d probs[t, j] = <grad_out[t], expert_out[row_id_map[t*k+j]]>, reduced over H in float32.
-        gathered_TkH = expert_out_RH.index_select(0, row_id_map_R).view(num_tokens, top_k, hidden)
-        grad_probs = (gathered_TkH.to(acc) * grad_out_TH.to(acc).unsqueeze(1)).sum(-1).to(probs_Tk.dtype)
+        gathered_TkH = expert_out_RH.index_select(0, row_id_map_R).view(num_tokens, top_k, hidden).to(acc)
+        grad_probs = torch.bmm(gathered_TkH, grad_out_TH.to(acc).unsqueeze(-1)).squeeze(-1).to(probs_Tk.dtype)
     return grad_expert_out, None, grad_probs
 
 

@@ -35,14 +35,13 @@ def _(x):
 
 
 def _swiglu_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # Plain differentiable ops (not an opaque op), so double backward works too.
+    # First-order only, like grouped_matmul: silu_backward computes dy * d silu(g)/dg in one fused
+    # pass (3x faster on CPU than spelling out the sigmoid terms) but has no derivative itself.
     acc = _acc_dtype(x.dtype)
     gate, up = x.to(acc).chunk(2, dim=-1)
     dy = grad_out.to(acc)
-    sig = torch.sigmoid(gate)
-    # d silu(g) / dg = sig * (1 + g * (1 - sig))
-    grad_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
-    grad_up = dy * gate * sig
+    grad_gate = torch.ops.aten.silu_backward(dy * up, gate)
+    grad_up = dy * torch.nn.functional.silu(gate)
     return torch.cat((grad_gate, grad_up), dim=-1).to(x.dtype)
 
 
