@@ -33,15 +33,17 @@ from pathlib import Path
 if "--dry-run" in sys.argv:  # must precede the first Triton kernel definition
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-try:
-    import moe_gmm  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+# Check the code of this checkout, even where another copy of moe_gmm is installed.
+_SRC = Path(__file__).resolve().parents[1] / "src"
+if (_SRC / "moe_gmm").is_dir():
+    sys.path.insert(0, str(_SRC))
 
 import torch  # noqa: E402
 
 from moe_gmm import grouped_matmul  # noqa: E402
+from moe_gmm.ops import permute, swiglu, unpermute  # noqa: E402
 from moe_gmm.ops.backends import get_backend  # noqa: E402
+from moe_gmm.ops.gather_gmm import moe_mlp_gather_scatter  # noqa: E402
 from moe_gmm.testing import (  # noqa: E402
     assert_rel_close,
     gmm_inputs,
@@ -191,13 +193,6 @@ def time_gemm(shape: MoeShape, gemm: str, k: int, n: int, device: str, dtype, wa
 
 def time_moe_mlp(shape: MoeShape, device: str, dtype, warmup: int, repeats: int) -> list[dict]:
     """Unfused (permute, GMM, swiglu, GMM, unpermute) vs the fused gather/scatter MLP: time, peak memory."""
-    try:
-        from moe_gmm.ops.gather_gmm import moe_mlp_gather_scatter
-        from moe_gmm.ops.permute import permute, unpermute
-        from moe_gmm.ops.swiglu import swiglu
-    except ImportError as exc:
-        print(f"  skip moe_mlp: {exc}")
-        return []
     gen = torch.Generator().manual_seed(0)
     h, i, e = shape.hidden, shape.intermediate, shape.local_experts
     hidden = (torch.randn(shape.tokens, h, generator=gen) / 4).to(device, dtype).requires_grad_(True)
@@ -227,7 +222,7 @@ def time_moe_mlp(shape: MoeShape, device: str, dtype, warmup: int, repeats: int)
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         ms = _timer(step, device, warmup, repeats)
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else float("nan")
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else None
         rows.append(dict(shape=shape.name, tokens=shape.tokens, impl=impl, mode="fwd+bwd", ms=ms, peak_extra_mib=peak))
     return rows
 
@@ -260,6 +255,20 @@ def _print_table(rows: list[dict]) -> None:
               f"{r['ms']:9.3f} {r['tflops']:8.2f} {r['frac_dense']:7.3f}")  # fmt: skip
 
 
+def run_timings(result: dict, shapes, device: str, dry_run: bool, warmup: int, repeats: int, started: float) -> None:
+    dtype = torch.float32 if dry_run else torch.bfloat16  # the interpreter's bf16 dot is emulated
+    for shape in shapes:
+        for gemm, k, n in shape.gemms():
+            result["gemm"].extend(time_gemm(shape, gemm, k, n, device, dtype, warmup, repeats))
+        result["moe_mlp"].extend(time_moe_mlp(shape, device, dtype, warmup, repeats))
+        print(f"  timed {shape.name} tokens={shape.tokens} ({time.perf_counter() - started:.0f} s)")
+    _print_table(result["gemm"])
+    for r in result["moe_mlp"]:
+        peak = "n/a" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f} MiB"
+        print(f"moe_mlp fwd+bwd {r['shape']} tokens={r['tokens']} {r['impl']:15s} {r['ms']:9.3f} ms  "
+              f"peak memory above inputs {peak}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="where to write the JSON results")
@@ -282,23 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     print("correctness:")
     try:
         result["checks"] = run_checks(device, args.dry_run)
+        if not args.skip_timing:
+            run_timings(result, shapes, device, args.dry_run, warmup, repeats, started)
     except AssertionError as exc:
         print(f"CORRECTNESS FAILURE: {exc}", file=sys.stderr)
         result["failure"] = str(exc)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+        args.out.write_text(json.dumps(result, indent=1, default=str))
         return 1
-    if not args.skip_timing:
-        dtype = torch.float32 if args.dry_run else torch.bfloat16  # the interpreter's bf16 is emulated
-        for shape in shapes:
-            for gemm, k, n in shape.gemms():
-                result["gemm"].extend(time_gemm(shape, gemm, k, n, device, dtype, warmup, repeats))
-            result["moe_mlp"].extend(time_moe_mlp(shape, device, dtype, warmup, repeats))
-            print(f"  timed {shape.name} tokens={shape.tokens} ({time.perf_counter() - started:.0f} s)")
-        _print_table(result["gemm"])
-        for r in result["moe_mlp"]:
-            print(f"moe_mlp {r['shape']} tokens={r['tokens']} {r['impl']:15s} {r['ms']:9.3f} ms  "
-                  f"peak extra {r['peak_extra_mib']:.0f} MiB")  # fmt: skip
     result["seconds"] = time.perf_counter() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))

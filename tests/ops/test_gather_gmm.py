@@ -1,0 +1,116 @@
+"""The fused gather/scatter MoE MLP vs the float64 reference and vs the unfused ops.
+
+Runs on the triton backend: compiled with CUDA, else in Triton's CPU interpreter
+(``tests/ops/conftest.py`` sets ``TRITON_INTERPRET=1``); tiny shapes keep it fast.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the gather/scatter kernels cannot be tested")
+
+from moe_gmm.ops import expert_mlp, permute, unpermute  # noqa: E402
+from moe_gmm.ops.gather_gmm import moe_mlp_gather_scatter, routing_rows  # noqa: E402
+from moe_gmm.testing import (  # noqa: E402
+    assert_rel_close,
+    reference_expert_mlp,
+    reference_permute,
+    routing_ids,
+    tolerance_for,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA device and TRITON_INTERPRET is not set", allow_module_level=True)
+
+T, K_TOP, H, I, E = 24, 2, 32, 16, 4
+
+
+def _inputs(dtype, routing="uniform", *, hf_layout=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g, dtype=torch.float64)
+    ids = routing_ids(T, K_TOP, E, routing, generator=g)
+    probs = torch.softmax(torch.randn(T, K_TOP, generator=g, dtype=torch.float64), -1)
+    if hf_layout:  # [E, 2I, H] / [E, H, I] parameters read through transposed views
+        gate_up = torch.randn(E, 2 * I, H, generator=g, dtype=torch.float64).div(H**0.5).transpose(1, 2)
+        down = torch.randn(E, H, I, generator=g, dtype=torch.float64).div(I**0.5).transpose(1, 2)
+    else:
+        gate_up = torch.randn(E, H, 2 * I, generator=g, dtype=torch.float64) / H**0.5
+        down = torch.randn(E, I, H, generator=g, dtype=torch.float64) / I**0.5
+    leaves = [t.to(DEVICE, dtype).detach().requires_grad_(True) for t in (hidden, probs, gate_up, down)]
+    return leaves[0], ids.to(DEVICE), leaves[1], leaves[2], leaves[3]
+
+
+def _reference(hidden, ids, probs, gate_up, down):
+    """float64 out and grads by autograd through the shared references (permute rows, expert MLP)."""
+    _, rows_Tk, counts = reference_permute(hidden, ids.cpu(), E)
+    leaves = [t.detach().double().cpu().requires_grad_(True) for t in (hidden, probs, gate_up, down)]
+    h64, p64, gu64, d64 = leaves
+    token_of_row = torch.empty(T * K_TOP, dtype=torch.int64)
+    token_of_row[rows_Tk.flatten()] = torch.arange(T * K_TOP) // K_TOP
+    y64 = reference_expert_mlp(h64[token_of_row], gu64, d64, counts)
+    out64 = (y64[rows_Tk] * p64.unsqueeze(-1)).sum(1)
+    return out64, leaves
+
+
+def _unfused(hidden, ids, probs, gate_up, down):
+    x_RH, row_id_map, counts = permute(hidden, ids, E)
+    return unpermute(expert_mlp(x_RH, counts, gate_up, down, backend="triton"), row_id_map, probs)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "empty", "duplicate_topk"])
+@pytest.mark.parametrize("hf_layout", [False, True], ids=["EH2I", "hf-views"])
+def test_matches_float64_reference(routing, hf_layout):
+    hidden, ids, probs, gate_up, down = _inputs(torch.float32, routing, hf_layout=hf_layout)
+    out = moe_mlp_gather_scatter(hidden, ids, probs, gate_up, down)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    out.backward(grad_out.to(out))
+    out64, leaves = _reference(hidden, ids, probs, gate_up, down)
+    out64.backward(grad_out)
+    assert_rel_close(out.cpu(), out64, 1e-5, "out")
+    for name, got, ref in zip(("hidden", "probs", "gate_up", "down"), (hidden, probs, gate_up, down), leaves):
+        assert_rel_close(got.grad.cpu(), ref.grad, 1e-5, f"d{name}")
+    if routing == "empty":  # even experts get no tokens: their weight grads are exactly zero
+        assert torch.equal(gate_up.grad[0::2], torch.zeros_like(gate_up.grad[0::2]))
+        assert torch.equal(down.grad[0::2], torch.zeros_like(down.grad[0::2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fused_matches_unfused(dtype):
+    inputs = _inputs(dtype, "uneven", seed=1)
+    clones = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    out_f = moe_mlp_gather_scatter(*inputs)
+    out_u = _unfused(*clones)
+    grad_out = torch.randn(out_f.shape, generator=torch.Generator().manual_seed(2)).to(out_f)
+    out_f.backward(grad_out)
+    out_u.backward(grad_out)
+    tol = tolerance_for(dtype)
+    torch.testing.assert_close(out_f, out_u, rtol=tol.rtol, atol=tol.atol)
+    for i in (0, 2, 3, 4):  # hidden, probs, gate_up, down (ids have no grad)
+        assert_rel_close(inputs[i].grad.float().cpu(), clones[i].grad.double().cpu(), 2 * tol.rel, f"grad {i}")
+
+
+def test_routing_rows_is_permutes_grouping():
+    _, ids, _, _, _ = _inputs(torch.float32, "duplicate_topk", seed=3)
+    hidden = torch.randn(T, H, device=DEVICE)
+    _, row_id_map, counts = permute(hidden, ids, E)
+    slot_of_row, token_of_row, ends = routing_rows(ids, E)
+    assert torch.equal(row_id_map[slot_of_row], torch.arange(T * K_TOP, device=DEVICE))
+    assert torch.equal(token_of_row, slot_of_row // K_TOP)
+    assert torch.equal(ends, torch.cumsum(counts, 0))
+
+
+def test_bad_arguments_name_the_argument():
+    hidden, ids, probs, gate_up, down = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="probs_Tk"):
+        moe_mlp_gather_scatter(hidden, ids, probs[:, :1], gate_up, down)
+    with pytest.raises(ValueError, match="down_EIH"):
+        moe_mlp_gather_scatter(hidden, ids, probs, gate_up, down[:, :-1])
+    with pytest.raises(TypeError, match="selected_experts_Tk"):
+        moe_mlp_gather_scatter(hidden, ids.float(), probs, gate_up, down)
+    with pytest.raises(ValueError, match="hidden_TH"):
+        moe_mlp_gather_scatter(hidden[:, :-1], ids, probs, gate_up, down)
