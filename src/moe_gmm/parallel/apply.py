@@ -1,0 +1,170 @@
+"""``apply_expert_parallel``: shard matched experts modules over an EP group and route through a dispatcher.
+
+Also the training-side glue: :func:`sync_gradients` keeps replicated parameters identical across
+the group and scales expert gradients, so that EP training equals single-process training on the
+concatenated batch.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from moe_gmm.ops.expert_mlp import expert_mlp
+from moe_gmm.parallel.comm import collective
+from moe_gmm.parallel.dispatcher import AllToAllDispatcher, OverlappedAllToAllDispatcher
+from moe_gmm.parallel.layout import EXPERT_PARAMS, ExpertShard, experts_layout
+from moe_gmm.parallel.plan import EPPlan
+
+__all__ = ["apply_expert_parallel", "expert_parallel_modules", "expert_parameter_ids", "sync_gradients"]
+
+
+def _ep_forward(self: nn.Module, hidden_TH: torch.Tensor, top_k_index_Tk: torch.Tensor,
+                top_k_weights_Tk: torch.Tensor) -> torch.Tensor:
+    """The experts forward under EP: same signature, global expert ids, local weight shards."""
+    layout = self.ep_shard.layout
+    gate_up_LH2I, down_LIH = layout.mlp_weights(self)
+
+    def run_local_experts(x_SH: torch.Tensor, group_list_L: torch.Tensor) -> torch.Tensor:
+        return expert_mlp(x_SH, group_list_L, gate_up_LH2I, down_LIH, fused=layout.fused, backend=layout.backend,
+                          validate=False)  # counts from bincount: non-negative and summing to S
+
+    return self.ep_dispatcher(hidden_TH, top_k_index_Tk, top_k_weights_Tk, run_local_experts)
+
+
+def _describe(module: nn.Module) -> tuple:
+    return tuple((n, tuple(getattr(module, n).shape), str(getattr(module, n).dtype)) for n in EXPERT_PARAMS)
+
+
+def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, plan: EPPlan) -> list[str]:
+    """Shard every experts module matched by ``plan`` along E over ``ep_group``; return their names.
+
+    Rank r keeps the contiguous block of experts ``[r * E / ep, (r + 1) * E / ep)`` as plain
+    parameters (so build the optimizer afterwards) and the module's forward becomes the dispatcher
+    path with the same ``(hidden_TH, top_k_index_Tk, top_k_weights_Tk) -> out_TH`` signature and
+    global expert ids. Every other parameter stays whole (replicated; see :func:`sync_gradients`).
+
+    Collective: every rank of ``ep_group`` must call it. Problems are gathered from all ranks and
+    raised as one ``ValueError`` on every rank (never a hang): a pattern matching nothing or two
+    patterns on one module, a matched module that is not a routed-experts module, E not divisible
+    by the group size, ``plan.expert_parallel_size`` != group size, and models or plans that differ
+    across ranks (different E, shapes, dtypes, EP size, dispatcher).
+    """
+    if not isinstance(plan, EPPlan):
+        raise TypeError(f"plan must be an EPPlan, got {type(plan).__name__}")
+    ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    modules = dict(model.named_modules())
+    problems: list[str] = []
+    matched: list[str] = []
+    if plan.expert_parallel_size != ep_size:
+        problems.append(
+            f"parallel.expert_parallel_size={plan.expert_parallel_size} but the EP process group has {ep_size} ranks"
+        )
+    try:
+        matched = plan.match(modules)
+    except ValueError as err:
+        problems.append(str(err))
+    layouts = {}
+    for name in matched:
+        module = modules[name]
+        if getattr(module, "ep_shard", None) is not None:
+            problems.append(f"module {name!r} is already expert-parallel")
+            continue
+        layout, why = experts_layout(module)
+        if layout is None:
+            problems.append(f"parallel.ep_plan.apply_modules matched {name!r}, which is not a routed-experts module: {why}")
+        elif layout.num_experts % ep_size:
+            problems.append(f"{name!r}: num_experts={layout.num_experts} is not divisible by the EP size {ep_size}")
+        else:
+            layouts[name] = layout
+
+    # One exchange at setup: every rank learns every rank's problems and model description, so all
+    # raise the same error together instead of some waiting for the others until a timeout.
+    mine = (problems, (ep_size, plan), [(n, layouts[n].num_experts, _describe(modules[n])) for n in layouts])
+    everyone: list = [None] * ep_size
+    with collective("setup check", ep_group):
+        dist.all_gather_object(everyone, mine, group=ep_group)
+    errors = [f"rank {r}: {p}" for r, (probs, _, _) in enumerate(everyone) for p in probs]
+    if errors:
+        raise ValueError("apply_expert_parallel: " + "; ".join(errors))
+    for r, (_, setup, desc) in enumerate(everyone):
+        if setup != mine[1] or desc != mine[2]:
+            raise ValueError(
+                "apply_expert_parallel: ranks disagree on the expert-parallel setup "
+                f"(rank {ep_rank}: {mine[1]}, {mine[2]}; rank {r}: {setup}, {desc})"
+            )
+
+    for name, layout in layouts.items():
+        module = modules[name]
+        shard = ExpertShard(num_experts=layout.num_experts, ep_rank=ep_rank, ep_size=ep_size, layout=layout)
+        lo, hi = shard.first_expert, shard.first_expert + shard.num_local_experts
+        for pname in EXPERT_PARAMS:
+            full = getattr(module, pname)
+            local = nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad)
+            setattr(module, pname, local)
+        validate = bool(getattr(module, "validate_routing", True))
+        if plan.dispatcher == "alltoall_overlap":
+            dispatcher = OverlappedAllToAllDispatcher(layout.num_experts, ep_group, num_chunks=plan.num_chunks,
+                                                      validate_routing=validate)
+        else:
+            dispatcher = AllToAllDispatcher(layout.num_experts, ep_group, validate_routing=validate)
+        module.ep_shard = shard
+        module.ep_dispatcher = dispatcher
+        # An instance attribute wins over the class's forward (also over Hugging Face's
+        # experts-implementation switch), and parameter names stay unchanged.
+        module.forward = types.MethodType(_ep_forward, module)
+    return matched
+
+
+def expert_parallel_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The sharded experts modules of ``model`` by name."""
+    return {n: m for n, m in model.named_modules() if getattr(m, "ep_shard", None) is not None}
+
+
+def expert_parameter_ids(model: nn.Module) -> set[int]:
+    """``id()`` of every sharded expert parameter of ``model``."""
+    return {id(getattr(m, p)) for m in expert_parallel_modules(model).values() for p in EXPERT_PARAMS}
+
+
+def sync_gradients(model: nn.Module, ep_group: dist.ProcessGroup | None, *, average: bool = True) -> None:
+    """Make EP gradients equal those of single-process training on the concatenated batch.
+
+    Call after ``backward()`` and before the optimizer step, on every rank.
+
+    - Replicated parameters (router, shared expert, attention, embeddings, ...) saw only this
+      rank's tokens: their gradients are all-reduced over the group (one flat buffer per dtype).
+    - Expert parameters already hold the sum over every rank's tokens routed to them (the
+      combine's backward brought those gradients to the owner), so they are not reduced.
+
+    ``average=True`` is for a loss that is a mean over each rank's tokens (equal token counts on
+    every rank): the concatenated-batch loss is then the mean of the ranks' losses, so replicated
+    gradients are averaged and expert gradients divided by the group size. ``average=False`` is for
+    a summed loss: replicated gradients are summed, expert gradients left as they are.
+    A parameter without a gradient counts as a zero gradient, so every rank reduces the same buffer.
+    """
+    ep_size = dist.get_world_size(ep_group)
+    experts = expert_parameter_ids(model)
+    replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in replicated:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        params = by_dtype[dtype]
+        grads = [p.grad for p in params]
+        flat = _flatten_dense_tensors(grads)
+        with collective("gradient all-reduce", ep_group):
+            dist.all_reduce(flat, group=ep_group)
+        if average:
+            flat.div_(ep_size)
+        for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
+            p.grad.copy_(g)
+    if average:
+        for p in model.parameters():
+            if id(p) in experts and p.grad is not None:
+                p.grad.div_(ep_size)
