@@ -23,7 +23,16 @@ from pathlib import Path
 
 import torch
 
-from moe_gmm.config import RunConfig, load_config, validate_config
+from moe_gmm.config import RunConfig, load_config
+from moe_gmm.report.distributed import (
+    Runtime,
+    apply_ep,
+    clip_grad_norm,
+    finish_backward,
+    local_rows,
+    mean_over_ranks,
+    setup_runtime,
+)
 from moe_gmm.report.model import Report, Row
 from moe_gmm.report.timing import measure_phases, synchronize
 from moe_gmm.testing import tolerance_for
@@ -35,7 +44,7 @@ PATHS = ("fused", "eager")
 
 
 class TrainUsageError(ValueError):
-    """The run cannot start as asked (missing checkpoint to resume, EP unavailable...): exit code 2."""
+    """The run cannot start as asked (no checkpoint to resume from, no CUDA...): exit code 2."""
 
 
 @dataclass
@@ -138,15 +147,43 @@ def _optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
 
 
-def _train_step(cfg: RunConfig, model, opt, step: int, device: torch.device) -> float:
-    ids = synthetic_batch(cfg, step).to(device)
-    opt.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    if cfg.training.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.grad_clip)
-    opt.step()
-    return float(loss.detach())  # host sync: the loss is logged every step
+@dataclass
+class _Run:
+    """What every step needs: the config, this process's place in the EP group, device and dtype."""
+
+    cfg: RunConfig
+    rt: Runtime
+    device: torch.device
+    dtype: torch.dtype
+    out: Path
+
+    def model(self, path: str, state: dict | None = None) -> torch.nn.Module:
+        """The model for ``path`` from ``init.pt``, sharded over the EP group, then ``state`` loaded."""
+        model = build_model(self.cfg, path)
+        model.load_state_dict(torch.load(self.out / "init.pt", weights_only=True))
+        model.to(device=self.device, dtype=self.dtype).train()
+        fused = path == "fused" and self.cfg.model.use_grouped_expert_matmul
+        apply_ep(model, self.rt, self.cfg, fused=fused, backend=self.cfg.model.gmm_backend)
+        if state is not None:
+            model.load_state_dict(state)
+        return model
+
+    def checkpoint(self, path: str) -> Path:
+        # Under EP each rank holds different expert shards: one file per rank.
+        suffix = f"_rank{self.rt.rank}of{self.rt.world}" if self.rt.distributed else ""
+        return self.out / f"ckpt_{path}{suffix}.pt"
+
+    def step(self, model, opt, step: int) -> float:
+        ids = local_rows(synthetic_batch(self.cfg, step), self.rt).to(self.device)
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        finish_backward(model, self.rt)
+        if self.cfg.training.grad_clip > 0:
+            clip_grad_norm(model, self.cfg.training.grad_clip, self.rt)
+        opt.step()
+        # Host sync: the loss is logged every step (the mean over ranks is the global batch's loss).
+        return mean_over_ranks(float(loss.detach()), self.rt, self.device)
 
 
 def _save(path: Path, model, opt, step: int, losses: list[float], step_ms: list[float]) -> None:
@@ -156,14 +193,10 @@ def _save(path: Path, model, opt, step: int, losses: list[float], step_ms: list[
     os.replace(tmp, path)  # never leave a half-written checkpoint behind
 
 
-def _run_path(
-    cfg: RunConfig, path: str, out: Path, steps: int, resume: bool, device, dtype, progress, profile_steps: int
-) -> tuple:
-    model = build_model(cfg, path)
-    model.load_state_dict(torch.load(out / "init.pt", weights_only=True))
-    model.to(device=device, dtype=dtype).train()
-    opt = _optimizer(cfg, model)
-    ckpt_path = out / f"ckpt_{path}.pt"
+def _run_path(run: _Run, path: str, steps: int, resume: bool, progress, profile_steps: int) -> tuple:
+    model = run.model(path)
+    opt = _optimizer(run.cfg, model)
+    ckpt_path = run.checkpoint(path)
     losses: list[float] = []
     step_ms: list[float] = []
     if resume:
@@ -176,11 +209,11 @@ def _run_path(
         if len(losses) >= steps:
             raise TrainUsageError(f"--resume: checkpoint {ckpt_path} is already at step {len(losses)} >= --steps {steps}")
     task = progress.add_task(f"train {path}", total=steps, completed=len(losses))
-    every = cfg.training.checkpoint_every
+    every = run.cfg.training.checkpoint_every
     for step in range(len(losses) + 1, steps + 1):
         start = time.perf_counter()
-        losses.append(_train_step(cfg, model, opt, step, device))
-        synchronize(device)
+        losses.append(run.step(model, opt, step))
+        synchronize(run.device)
         step_ms.append((time.perf_counter() - start) * 1e3)
         progress.update(task, advance=1, description=f"train {path} loss {losses[-1]:.4f}")
         if (every and step % every == 0) or step == steps:
@@ -188,23 +221,10 @@ def _run_path(
     if not profile_steps:
         return losses, step_ms, {}
     # Phase breakdown on a copy, so profiling does not move the trained weights.
-    probe = build_model(cfg, path)
-    probe.load_state_dict(model.state_dict())
-    probe.to(device=device, dtype=dtype).train()
-    probe_opt = _optimizer(cfg, probe)
-    phases = measure_phases(lambda: _train_step(cfg, probe, probe_opt, steps + 1, device), device, steps=profile_steps)
+    probe = run.model(path, state=model.state_dict())
+    probe_opt = _optimizer(run.cfg, probe)
+    phases = measure_phases(lambda: run.step(probe, probe_opt, steps + 1), run.device, steps=profile_steps)
     return losses, step_ms, phases
-
-
-def _check_parallel(cfg: RunConfig) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    validate_config(cfg, world_size=world)
-    if cfg.parallel.expert_parallel_size > 1 or world > 1:
-        raise TrainUsageError(
-            f"parallel.expert_parallel_size={cfg.parallel.expert_parallel_size} (world size {world}): "
-            "expert-parallel training is not wired into `moe-gmm train` in this version; set it to 1 "
-            "and run a single process"
-        )
 
 
 def run_training(
@@ -220,33 +240,61 @@ def run_training(
     """Train every path in ``paths`` for ``steps`` (default ``training.steps``); write CSV/PNG/report.
 
     After training, ``profile_steps`` extra steps on a copy of each trained model run under the
-    profiler for the phase breakdown (0 skips it).
+    profiler for the phase breakdown (0 skips it). Under ``torchrun`` with
+    ``parallel.expert_parallel_size`` = the number of processes, the experts are sharded over the
+    ranks (see :mod:`moe_gmm.report.distributed`) and rank 0 writes the outputs.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from moe_gmm.report.render import render_terminal, wide_console, write_report
+    from moe_gmm.report.render import render_terminal, wide_console
 
     cfg = config if isinstance(config, RunConfig) else load_config(config)
-    _check_parallel(cfg)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise TrainUsageError("device: cuda requested but torch.cuda.is_available() is False")
-    steps = steps or cfg.training.steps
-    device, dtype = torch.device(cfg.device), _DTYPES[cfg.dtype]
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if not resume or not (out / "init.pt").exists():
-        if resume:
-            raise TrainUsageError(f"--resume: no {out / 'init.pt'} (run without --resume first)")
-        torch.save(build_model(cfg, "eager").state_dict(), out / "init.pt")
-    console = console or wide_console()
-    losses, step_ms, phases = {}, {}, {}
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
-        for path in paths:
-            losses[path], step_ms[path], phases[path] = _run_path(
-                cfg, path, out, steps, resume, device, dtype, progress, profile_steps
-            )
-    report, max_diff = _report(cfg, losses, step_ms, phases, dtype)
+    if resume and not (out / "init.pt").exists():
+        raise TrainUsageError(f"--resume: no {out / 'init.pt'} (run without --resume first)")
+    rt = setup_runtime(cfg)
+    try:
+        run = _Run(cfg, rt, torch.device(cfg.device), _DTYPES[cfg.dtype], out)
+        steps = steps or cfg.training.steps
+        if rt.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            if not resume:
+                torch.save(build_model(cfg, "eager").state_dict(), out / "init.pt")
+        _barrier(rt)
+        console = console or wide_console()
+        losses, step_ms, phases = {}, {}, {}
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=False, disable=not rt.is_main) as progress:
+            for path in paths:
+                losses[path], step_ms[path], phases[path] = _run_path(run, path, steps, resume, progress, profile_steps)
+        report, max_diff = _report(cfg, losses, step_ms, phases, run.dtype, rt.world)
+        files: dict[str, Path] = {}
+        if rt.is_main:
+            files = _write_outputs(report, out, losses, step_ms)
+            render_terminal(report, console)
+            for name, p in files.items():
+                console.print(f"wrote {p}  [dim]({name})[/dim]")
+        _barrier(rt)
+    finally:
+        if rt.distributed:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return TrainResult(losses, step_ms, max_diff, report, files)
+
+
+def _barrier(rt: Runtime) -> None:
+    if rt.distributed:
+        import torch.distributed as dist
+
+        dist.barrier(group=rt.group)
+
+
+def _write_outputs(report: Report, out: Path, losses, step_ms) -> dict[str, Path]:
+    from moe_gmm.report.render import write_report
+
     files = write_report(report, out)
     files["markdown"] = files["markdown"].rename(out / "train_report.md")
     files["json"] = files["json"].rename(out / "train_report.json")
@@ -255,10 +303,7 @@ def run_training(
         from moe_gmm.report.plots import plot_loss_curves
 
         files["plot"] = plot_loss_curves(losses, out / "losses.png")
-    render_terminal(report, console)
-    for name, p in files.items():
-        console.print(f"wrote {p}  [dim]({name})[/dim]")
-    return TrainResult(losses, step_ms, max_diff, report, files)
+    return files
 
 
 def _write_csv(path: Path, losses: dict[str, list[float]], step_ms: dict[str, list[float]]) -> Path:
@@ -277,13 +322,13 @@ def _write_csv(path: Path, losses: dict[str, list[float]], step_ms: dict[str, li
     return path
 
 
-def _report(cfg: RunConfig, losses, step_ms, phases, dtype) -> tuple[Report, float | None]:
+def _report(cfg: RunConfig, losses, step_ms, phases, dtype, world: int) -> tuple[Report, float | None]:
     tol = tolerance_for(dtype)
     report = Report(
         title="moe-gmm train: fused vs eager loss alignment",
         meta={"model": cfg.model.model_id, "dtype": cfg.dtype, "device": cfg.device, "seed": cfg.seed,
               "steps": len(next(iter(losses.values()))), "E": cfg.model.num_experts, "top_k": cfg.model.num_experts_per_tok,
-              "layers": cfg.model.num_hidden_layers, "torch": torch.__version__},
+              "layers": cfg.model.num_hidden_layers, "expert_parallel_size": world, "torch": torch.__version__},
     )
     sec = "loss"
     get = lambda p, i: losses[p][i] if p in losses else None  # noqa: E731
