@@ -1,0 +1,215 @@
+"""What the machine can do, measured in the same run as the benchmark it calibrates.
+
+A benchmark time means little on its own on a shared or virtualised CPU: the same code runs 20%
+apart from one hour to the next. So every run measures its own limits and reports each result as a
+ratio to the *roofline floor*, the least time the work could take on this machine:
+
+    floor = max(flops / peak_gemm_rate[dtype], min_bytes / copy_bandwidth)
+
+- ``peak_gemm_rate``: the best median rate of a large square ``torch.mm`` (n = 2048, 3072) in the
+  benchmark's dtype, i.e. what the BLAS this torch ships (MKL for fp32, oneDNN for bf16) reaches
+  on one big GEMM with all of torch's threads.
+- ``copy_bandwidth``: a ``dst.copy_(src)`` of a buffer far larger than the caches, counting one
+  read and one write per byte.
+- ``min_bytes``: defined by each case (see ``moe_gmm.bench.gmm``): every operand read once and every
+  result written once, nothing more.
+
+It also describes the machine (CPU, cores, threads, torch, BLAS, git commit, load average) for the
+header of every result file.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["Limits", "MachineInfo", "describe_machine", "measure_limits", "roofline_floor"]
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    """Facts that decide GEMM speed, for the header of a result file."""
+
+    cpu_model: str
+    logical_cpus: int
+    usable_cpus: int
+    torch_threads: int
+    cpu_capability: str
+    torch_version: str
+    python_version: str
+    blas: str
+    git_commit: str
+    load_average: tuple[float, float, float]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def one_line(self) -> str:
+        load = ", ".join(f"{v:.2f}" for v in self.load_average)
+        return (
+            f"{self.cpu_model}, {self.usable_cpus}/{self.logical_cpus} CPUs, torch {self.torch_version} "
+            f"({self.torch_threads} threads, {self.cpu_capability}), {self.blas}; "
+            f"commit {self.git_commit}; load average {load}"
+        )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _blas_description() -> str:
+    config = torch.__config__.show()
+    parts = []
+    match = re.search(r"BLAS_INFO=(\w+)", config)
+    if match:
+        parts.append(f"BLAS={match.group(1)}")
+    match = re.search(r"Math Kernel Library Version ([\w.]+)", config)
+    if match:
+        parts.append(f"MKL {match.group(1)}")
+    match = re.search(r"MKL-DNN v([\w.]+)", config)
+    if match:
+        parts.append(f"oneDNN {match.group(1)}")
+    return ", ".join(parts) or "unknown"
+
+
+def git_commit(path: Path | None = None) -> str:
+    """Short hash of the checkout holding this package, with ``+dirty`` for local changes."""
+    where = path or Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return "unknown (not a git checkout)"
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=where,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        dirty = "+dirty" if status.stdout.strip() else ""
+        return head.stdout.strip() + dirty
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (git unavailable)"
+
+
+def describe_machine() -> MachineInfo:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count() or 1
+    env_keys = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "THP_MEM_ALLOC_ENABLE", "MOE_GMM_BACKEND")
+    return MachineInfo(
+        cpu_model=_cpu_model(),
+        logical_cpus=os.cpu_count() or 1,
+        usable_cpus=usable,
+        torch_threads=torch.get_num_threads(),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        torch_version=torch.__version__,
+        python_version=platform.python_version(),
+        blas=_blas_description(),
+        git_commit=git_commit(),
+        load_average=tuple(round(v, 2) for v in os.getloadavg()),
+        env={k: os.environ[k] for k in env_keys if k in os.environ},
+    )
+
+
+@dataclass
+class Limits:
+    """Measured peak GEMM rate per dtype (FLOP/s) and copy bandwidth (bytes/s)."""
+
+    peak_flops: dict[str, float]
+    copy_bandwidth: float
+    gemm_sizes: tuple[int, ...]
+    copy_mib: int
+    seconds_spent: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def peak(self, dtype: torch.dtype) -> float:
+        name = dtype_name(dtype)
+        if name not in self.peak_flops:
+            raise KeyError(f"peak GEMM rate for {name} was not measured; measured: {sorted(self.peak_flops)}")
+        return self.peak_flops[name]
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: first-call allocation, BLAS kernel selection, page faults
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_peak_gemm(dtype: torch.dtype, sizes: tuple[int, ...] = (2048, 3072), repeats: int = 5) -> float:
+    """Best median FLOP/s of ``torch.mm(a, b, out=c)`` over square sizes ``n`` (preallocated output)."""
+    best = 0.0
+    g = torch.Generator().manual_seed(0)
+    for n in sizes:
+        a = torch.randn(n, n, generator=g).to(dtype)
+        b = torch.randn(n, n, generator=g).to(dtype)
+        c = torch.empty(n, n, dtype=dtype)
+        seconds = _median_seconds(lambda: torch.mm(a, b, out=c), repeats)
+        best = max(best, 2.0 * n**3 / seconds)
+    return best
+
+
+def measure_copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Median bytes/s of ``dst.copy_(src)`` on ``mib`` MiB, counting the read and the write."""
+    numel = mib * 2**20 // 4
+    src = torch.ones(numel, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch outside the timing: page faults are not bandwidth
+    seconds = _median_seconds(lambda: dst.copy_(src), repeats)
+    return 2.0 * numel * 4 / seconds
+
+
+def measure_limits(dtypes: tuple[torch.dtype, ...], *, quick: bool = False) -> Limits:
+    """Peak GEMM rate for each of ``dtypes`` and the copy bandwidth, measured now."""
+    start = time.perf_counter()
+    sizes = (2048,) if quick else (2048, 3072)
+    repeats = 3 if quick else 5
+    peaks = {dtype_name(d): measure_peak_gemm(d, sizes, repeats) for d in dtypes}
+    copy_mib = 256
+    bandwidth = measure_copy_bandwidth(copy_mib, repeats)
+    return Limits(
+        peak_flops=peaks,
+        copy_bandwidth=bandwidth,
+        gemm_sizes=sizes,
+        copy_mib=copy_mib,
+        seconds_spent=time.perf_counter() - start,
+    )
+
+
+def roofline_floor(flops: float, min_bytes: float, dtype: torch.dtype, limits: Limits) -> tuple[float, str]:
+    """``(seconds, bound)``: the least time for the work and whether compute or memory bounds it."""
+    compute_s = flops / limits.peak(dtype)
+    memory_s = min_bytes / limits.copy_bandwidth
+    if compute_s >= memory_s:
+        return compute_s, "compute"
+    return memory_s, "memory"

@@ -1,0 +1,133 @@
+"""Render a :class:`~moe_gmm.bench.harness.BenchReport` for people: rich tables and Markdown."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from moe_gmm.bench.harness import BenchReport, summarize
+
+__all__ = ["print_report", "markdown_report"]
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+
+
+def _ratio(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    return f"{value:.2f}x"
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return ""
+    if row.get("median_s") is None:
+        return "skip"
+    return f"{_ms(row['median_s'])} ({row['x_floor']:.2f}x)"
+
+
+def _grouped(report: BenchReport) -> list[tuple[dict[str, Any], dict[str, dict[str, Any]]]]:
+    """Rows grouped by (case, label, dtype, mode), in run order: ``(first_row, {impl: row})``."""
+    groups: dict[tuple, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {}
+    for row in report.rows:
+        key = (row["case"], row.get("label", ""), row["dtype"], row["mode"])
+        groups.setdefault(key, (row, {}))[1][row["impl"]] = row
+    return list(groups.values())
+
+
+def _speedup(primary: dict[str, Any] | None, other: dict[str, Any] | None) -> float | None:
+    if not primary or not other or primary.get("median_s") is None or other.get("median_s") is None:
+        return None
+    return other["median_s"] / primary["median_s"]
+
+
+def _table_data(report: BenchReport) -> tuple[list[str], list[list[str]]]:
+    label_keys = [k for k in ("label", "shape") if any(k in r for r in report.rows)]
+    header = ["case", *label_keys, "dtype", "mode", "floor ms"]
+    header += [f"{name} ms (x floor)" for name in report.impls]
+    others = [n for n in report.impls if n != report.primary] if report.primary else []
+    header += [f"{report.primary} vs {n}" for n in others]
+    header.append("max rel err")
+    lines = []
+    for first, by_impl in _grouped(report):
+        line = [first["case"], *(str(first.get(k, "")) for k in label_keys), first["dtype"], first["mode"]]
+        line.append(f"{_ms(first['floor_s'])} {first['bound'][0]}")
+        line += [_cell(by_impl.get(name)) for name in report.impls]
+        line += [_ratio(_speedup(by_impl.get(report.primary), by_impl.get(n))) for n in others]
+        errs = [r["rel_err"] for r in by_impl.values() if r.get("rel_err") is not None]
+        line.append(f"{max(errs):.1e}" if errs else "-")
+        lines.append(line)
+    return header, lines
+
+
+def _summary_data(report: BenchReport) -> tuple[list[str], list[list[str]]]:
+    header = ["dtype", "mode", "impl", "cases", "geomean x floor", "worst x floor", "worst case", f"vs {report.reference}"]
+    lines = []
+    for s in summarize(report.rows, report.reference):
+        lines.append(
+            [
+                s["dtype"],
+                s["mode"],
+                s["impl"],
+                str(s["cases"]),
+                f"{s['geomean_x_floor']:.2f}",
+                f"{s['worst_x_floor']:.2f}",
+                s["worst_case"],
+                _ratio(s["geomean_speedup_vs_reference"]),
+            ]
+        )
+    return header, lines
+
+
+def _header_lines(report: BenchReport) -> list[str]:
+    lim = report.limits
+    peaks = ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in lim.peak_flops.items())
+    end = report.load_average_end
+    lines = [
+        f"machine: {report.machine.one_line()}",
+        f"limits (measured this run): peak GEMM {peaks}; copy bandwidth {lim.copy_bandwidth / 1e9:.1f} GB/s",
+        f"started {report.started_utc} UTC, wall {report.wall_s:.0f} s"
+        + (f", load average at end {', '.join(f'{v:.2f}' for v in end)}" if end else ""),
+    ]
+    if report.command:
+        lines.append(f"command: {report.command}")
+    lines += report.notes
+    return lines
+
+
+def print_report(report: BenchReport, console=None) -> None:
+    """Print the header, the per-case table and the summary with ``rich``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    console.print(f"[bold]{report.title}[/bold]")
+    for line in _header_lines(report):
+        console.print(line, highlight=False)
+    header, lines = _table_data(report)
+    table = Table(show_lines=False, header_style="bold", caption="cell: median ms (time / roofline floor); floor c = compute-bound, m = memory-bound")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i < 2 else "right", overflow="fold")
+    for line in lines:
+        table.add_row(*line)
+    console.print(table)
+    header, lines = _summary_data(report)
+    summary = Table(title="summary (geometric means over cases)", header_style="bold")
+    for name in header:
+        summary.add_column(name, overflow="fold")
+    for line in lines:
+        summary.add_row(*line)
+    console.print(summary)
+
+
+def markdown_report(report: BenchReport) -> str:
+    """The same tables as Markdown, for ``RESULTS.md``."""
+    out = [f"### {report.title}", ""]
+    out += [f"- {line}" for line in _header_lines(report)]
+    for header, lines in (_table_data(report), _summary_data(report)):
+        out += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        out += ["| " + " | ".join(cell.replace("|", "/") for cell in line) + " |" for line in lines]
+    return "\n".join(out) + "\n"

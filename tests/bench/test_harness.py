@@ -1,0 +1,212 @@
+"""The benchmark harness's logic on tiny cases: statistics, rows, errors, JSON, tables. No timing asserts."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from moe_gmm.bench import gmm as gmm_bench
+from moe_gmm.bench.gmm import GmmCase, case_set, gmm_impls
+from moe_gmm.bench.harness import (
+    Impl,
+    TimingSettings,
+    Unsupported,
+    Workload,
+    run_benchmark,
+    summarize,
+    time_interleaved,
+    timing_from_samples,
+)
+from moe_gmm.bench.machine import Limits, describe_machine, roofline_floor
+from moe_gmm.bench.table import markdown_report, print_report
+
+FAST = TimingSettings(warmup=1, min_repeats=2, max_repeats=2, min_seconds=0.0)
+# Made-up limits: the harness logic does not depend on their values.
+LIMITS = Limits(peak_flops={"fp32": 1e11, "bf16": 2e11}, copy_bandwidth=1e10, gemm_sizes=(64,), copy_mib=1)
+TINY = GmmCase(num_experts=4, top_k=2, num_tokens=6, hidden=8, intermediate=4, projection="gate_up")
+
+
+def test_timing_statistics_median_and_percentiles():
+    t = timing_from_samples([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (t.median_s, t.repeats) == (3.0, 5)
+    assert t.p20_s == pytest.approx(1.8)  # linear interpolation between 1.0 and 2.0
+    assert t.p80_s == pytest.approx(4.2)
+    assert timing_from_samples([2.0]).p20_s == 2.0
+    with pytest.raises(ValueError, match="samples"):
+        timing_from_samples([])
+
+
+def test_time_interleaved_runs_every_callable_warmup_plus_repeats():
+    calls = {"a": 0, "b": 0}
+    order = []
+
+    def make(name):
+        def fn():
+            calls[name] += 1
+            order.append(name)
+
+        return fn
+
+    settings = TimingSettings(warmup=2, min_repeats=3, max_repeats=3, min_seconds=0.0)
+    timings = time_interleaved({"a": make("a"), "b": make("b")}, settings)
+    assert calls == {"a": 5, "b": 5}
+    assert timings["a"].repeats == timings["b"].repeats == 3
+    # Warm-up a a b b, then rounds rotate the starting implementation: a b, b a, a b.
+    assert order[4:] == ["a", "b", "b", "a", "a", "b"]
+
+
+def test_roofline_floor_picks_the_binding_limit():
+    s, bound = roofline_floor(1e11, 1.0, torch.float32, LIMITS)
+    assert (s, bound) == (1.0, "compute")
+    s, bound = roofline_floor(1.0, 1e10, torch.float32, LIMITS)
+    assert (s, bound) == (1.0, "memory")
+    with pytest.raises(KeyError, match="fp16"):
+        roofline_floor(1.0, 1.0, torch.float16, LIMITS)
+
+
+def test_gmm_case_work_and_bytes():
+    case = GmmCase(num_experts=4, top_k=1, num_tokens=10, hidden=6, intermediate=3, projection="down", routing="skewed")
+    counts = case.counts()
+    assert counts.sum() == 10 and counts.numel() == 4
+    assert case.kn == (3, 6)
+    m, k, n = 10, 3, 6
+    assert case.flops("fwd") == 2 * m * k * n
+    assert case.flops("fwdbwd") == 3 * case.flops("fwd")
+    active = int((counts > 0).sum())
+    assert case.min_bytes("fwd", torch.bfloat16) == 2 * (m * k + active * k * n + m * n)
+    bwd = m * n + 2 * m * k + active * k * n + 4 * k * n
+    assert case.min_bytes("bwd", torch.float32) == 4 * bwd
+    assert case.min_bytes("fwdbwd", torch.float32) == case.min_bytes("fwd", torch.float32) + 4 * bwd
+    with pytest.raises(ValueError, match="projection"):
+        GmmCase(num_experts=2, top_k=1, num_tokens=2, hidden=2, intermediate=2, projection="up")
+
+
+def test_gmm_case_inputs_are_deterministic_and_transposed_view_is_a_view():
+    a, b = TINY.make_inputs(torch.float32), TINY.make_inputs(torch.float32)
+    assert torch.equal(a.x_MK, b.x_MK) and torch.equal(a.w_EKN, b.w_EKN)
+    assert a.x_MK.shape == (12, 8) and a.w_EKN.shape == (4, 8, 8)
+    enk = GmmCase(**{**TINY.__dict__, "weight_layout": "ENK"}).make_inputs(torch.float32)
+    assert enk.w_EKN.shape == (4, 8, 8) and not enk.w_EKN.is_contiguous()
+
+
+@pytest.mark.parametrize("name", ["quick", "qwen", "sweep", "full"])
+def test_case_sets_cover_both_projections(name):
+    cases = case_set(name)
+    assert {c.projection for c in cases} == {"gate_up", "down"}
+    assert any(c.routing == "skewed" for c in cases)
+    with pytest.raises(ValueError, match="case set"):
+        case_set("nope")
+
+
+def test_gmm_impls_reference_first_dense_last():
+    impls = gmm_impls()
+    names = [i.name for i in impls]
+    assert names[0] == "eager" and names[-1] == "dense" and "torch" in names
+    assert [i.name for i in gmm_impls(["torch"])] == ["eager", "torch"]
+    with pytest.raises(ValueError, match="impls"):
+        gmm_impls(["nope"])
+
+
+def _report(impls, dtypes=(torch.float32,), modes=("fwd", "bwd", "fwdbwd")):
+    return run_benchmark(
+        [TINY],
+        impls,
+        dtypes=list(dtypes),
+        modes=list(modes),
+        limits=LIMITS,
+        machine=describe_machine(),
+        settings=FAST,
+        reference="eager",
+        primary="torch",
+        title="tiny",
+    )
+
+
+def test_run_benchmark_rows_errors_and_speedups():
+    report = _report(gmm_impls(), dtypes=(torch.float32, torch.bfloat16))
+    names = [i.name for i in gmm_impls()]
+    assert len(report.rows) == 2 * 3 * len(names)
+    for row in report.rows:
+        assert row["median_s"] > 0 and row["p20_s"] <= row["median_s"] <= row["p80_s"]
+        assert row["x_floor"] == pytest.approx(row["median_s"] / row["floor_s"])
+        if row["impl"] == "eager":
+            assert row["speedup_vs_reference"] == 1.0
+            assert row["rel_err"] == 0.0
+        elif row["impl"] == "dense":
+            assert row["rel_err"] is None  # a stand-in with other outputs: not compared
+        else:
+            limit = 1e-5 if row["dtype"] == "fp32" else 1e-2
+            assert row["rel_err"] < limit
+        # fwd rows compare the output only; bwd and fwdbwd also the two gradients.
+        if row["rel_err_parts"] is not None:
+            expected = {"out"} if row["mode"] == "fwd" else {"out", "grad0", "grad1"}
+            assert set(row["rel_err_parts"]) == expected
+
+
+def test_wrong_implementation_shows_in_the_error_column():
+    def prepare(inp):
+        return Workload(
+            # Right shape, differentiable in both leaves, wrong values.
+            forward=lambda: torch.ones(inp.x_MK.shape[0], inp.w_EKN.shape[2]) * inp.x_MK.sum() * inp.w_EKN.sum(),
+            leaves=(inp.x_MK, inp.w_EKN),
+        )
+
+    report = _report([*gmm_impls(["torch"]), Impl(name="broken", prepare=prepare)], modes=("fwd",))
+    broken = [r for r in report.rows if r["impl"] == "broken"]
+    assert broken and all(r["rel_err"] > 0.1 for r in broken)
+
+
+def test_unsupported_impl_is_skipped_with_reason():
+    def prepare(inp):
+        raise Unsupported("needs a GPU")
+
+    report = _report([*gmm_impls(["torch"]), Impl(name="gpu_only", prepare=prepare)], modes=("fwd",))
+    row = next(r for r in report.rows if r["impl"] == "gpu_only")
+    assert row["median_s"] is None and row["skipped"] == "needs a GPU"
+    assert all(s["impl"] != "gpu_only" for s in summarize(report.rows, "eager"))
+
+
+def test_run_benchmark_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="modes"):
+        _report(gmm_impls(), modes=("forward",))
+    with pytest.raises(ValueError, match="reference"):
+        _report(gmm_impls(["torch"])[1:])
+
+
+def test_summary_json_and_tables(tmp_path):
+    report = _report(gmm_impls(), modes=("fwd", "fwdbwd"))
+    summary = summarize(report.rows, "eager")
+    assert {(s["mode"], s["impl"]) for s in summary} >= {("fwd", "eager"), ("fwdbwd", "torch")}
+    for s in summary:
+        assert s["worst_x_floor"] >= s["geomean_x_floor"] * (1 - 1e-9)
+        assert math.isfinite(s["geomean_speedup_vs_reference"])
+    path = report.write_json(tmp_path / "out" / "r.json")
+    data = json.loads(path.read_text())
+    assert data["machine"]["torch_version"] == torch.__version__
+    assert data["limits"]["copy_bandwidth"] == 1e10
+    assert len(data["rows"]) == len(report.rows) and data["summary"]
+    md = markdown_report(report)
+    assert "| case |" in md and "torch vs eager" in md and "E4 k2 T6" in md
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    print_report(report, console)
+    assert "summary" in console.export_text()
+
+
+def test_main_quick_path_writes_json(tmp_path, monkeypatch):
+    # Only the case list and the limit measurement are replaced: the rest is the real command path.
+    monkeypatch.setattr(gmm_bench, "case_set", lambda name: [TINY, GmmCase(**{**TINY.__dict__, "projection": "down"})])
+    monkeypatch.setattr(gmm_bench, "measure_limits", lambda dtypes, quick: LIMITS)
+    out = tmp_path / "gmm.json"
+    rc = gmm_bench.main(["--quick", "--dtype", "fp32", "--no-progress", "--out", str(out), "--markdown", str(tmp_path / "g.md")])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert {r["label"] for r in data["rows"]} == {"gate_up", "down"}
+    assert {r["mode"] for r in data["rows"]} == {"fwd", "fwdbwd"}
+    assert data["command"].startswith("python -m benchmarks.run_gmm --quick")
+    with pytest.raises(SystemExit):
+        gmm_bench.main(["--dtype", "fp8"])
