@@ -29,7 +29,7 @@ import torch
 from moe_gmm.bench.harness import Impl, TimingSettings, Unsupported, Workload, maybe_progress, run_benchmark
 from moe_gmm.bench.machine import DTYPE_NAMES, describe_machine, measure_limits
 from moe_gmm.ops import grouped_matmul
-from moe_gmm.ops.backends import registered_backends, select_backend
+from moe_gmm.ops.backends import AUTO_PRIORITY, registered_backends, select_backend
 from moe_gmm.testing import routing_ids
 
 __all__ = ["CASE_SETS", "GmmCase", "GmmInputs", "case_set", "gmm_impls", "main", "build_parser"]
@@ -207,18 +207,23 @@ def _dense_impl() -> Impl:
 
 
 def gmm_impls(names: list[str] | None = None, device: str = "cpu") -> list[Impl]:
-    """``eager`` first, then every backend registered for ``device``, then ``dense``; or just ``names``."""
+    """``eager``, the backends ``auto`` may pick on ``device`` (in priority order), then ``dense``.
+
+    ``names`` selects instead; it may name any backend registered and available on ``device``
+    (e.g. ``triton`` under ``TRITON_INTERPRET=1``, left out by default because it is an interpreter).
+    """
     backends = registered_backends()
-    candidates = ["eager"] + sorted(n for n, b in backends.items() if n != "eager" and device in b.devices)
-    candidates.append("dense")
+    usable = [n for n, b in backends.items() if device in b.devices and b.unavailable_reason() is None]
+    auto = [n for n in AUTO_PRIORITY.get(device, ()) if n in usable and n != "eager"]
     if names:
-        unknown = [n for n in names if n not in candidates]
+        allowed = ["eager", *usable, "dense"]
+        unknown = [n for n in names if n not in allowed]
         if unknown:
-            raise ValueError(f"--impls: unknown {unknown}; choose from {candidates}")
-        if "eager" not in names:
-            names = ["eager", *names]  # the reference every row is compared with
-        candidates = [n for n in candidates if n in names]
-    return [_dense_impl() if n == "dense" else _backend_impl(n) for n in candidates]
+            raise ValueError(f"--impls: unknown or unavailable {unknown}; choose from {sorted(set(allowed))}")
+        chosen = ["eager", *(n for n in names if n != "eager")]  # eager: the reference every row is compared with
+    else:
+        chosen = ["eager", *auto, "dense"]
+    return [_dense_impl() if n == "dense" else _backend_impl(n) for n in dict.fromkeys(chosen)]
 
 
 def auto_backend_name(dtype: torch.dtype = torch.float32) -> str:
