@@ -28,6 +28,8 @@ def _ep_forward(self: nn.Module, hidden_TH: torch.Tensor, top_k_index_Tk: torch.
     """The experts forward under EP: same signature, global expert ids, local weight shards."""
     layout = self.ep_shard.layout
     gate_up_LH2I, down_LIH = layout.mlp_weights(self)
+    if hasattr(self, "last_tokens_per_expert"):  # GroupedExperts' routing statistics: this rank's tokens
+        self.last_tokens_per_expert = torch.bincount(top_k_index_Tk.detach().flatten(), minlength=layout.num_experts)
 
     def run_local_experts(x_SH: torch.Tensor, group_list_L: torch.Tensor) -> torch.Tensor:
         return expert_mlp(x_SH, group_list_L, gate_up_LH2I, down_LIH, fused=layout.fused, backend=layout.backend,
