@@ -78,7 +78,7 @@ FULL_SHAPES = [
 DRY_SHAPES = [MoeShape("tiny", 64, 32, 4, 2, 48)]
 
 # Correctness cases: (counts, K, N, transposed weight). Empty experts, tails no tile divides.
-FULL_CHECKS = [([300, 0, 129, 1000, 7, 0], 1000, 776, False), ([513, 0, 64], 4096, 2048, True), ([0, 37, 0], 72, 48, False)]
+FULL_CHECKS = [([300, 0, 129, 1000, 7, 0], 1000, 776, False), ([513, 0, 64], 2048, 1024, True), ([0, 37, 0], 72, 48, False)]
 DRY_CHECKS = [([17, 0, 40, 3], 40, 24, False), ([0, 9, 26], 24, 40, True)]
 
 
