@@ -1,4 +1,4 @@
-"""Test-wide settings: quiet hubs, deterministic seeds, and a memory-poisoning fixture."""
+"""Test-wide settings: quiet hubs, the Triton interpreter on CPU, deterministic seeds, memory poisoning."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Without CUDA, Triton kernels run in its CPU interpreter. Triton fixes the mode when it is first
+# imported, so this must precede every test module (some import triton at collection). With a
+# CUDA device the kernels compile for real and the same tests run on the GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """The fused gather/scatter MoE MLP vs the float64 reference and vs the unfused ops.
 
 Runs on the triton backend: compiled with CUDA, else in Triton's CPU interpreter
-(``tests/ops/conftest.py`` sets ``TRITON_INTERPRET=1``); tiny shapes keep it fast.
+(``tests/conftest.py`` sets ``TRITON_INTERPRET=1``); tiny shapes keep it fast.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from moe_gmm.ops.expert_mlp import expert_mlp
+from moe_gmm.ops.gather_gmm import moe_mlp_gather_scatter
 from moe_gmm.ops.permute import permute, unpermute
 
 __all__ = ["GroupedExperts"]
@@ -28,6 +29,11 @@ class GroupedExperts(nn.Module):
 
     ``validate_routing`` checks that every id lies in ``[0, E)`` (a host sync on an accelerator);
     :class:`~moe_gmm.layers.SparseMoeBlock` turns it off because its router's top-k guarantees it.
+
+    ``fused_permute=True`` runs :func:`~moe_gmm.ops.gather_gmm.moe_mlp_gather_scatter` instead: the
+    permute gather and the unpermute scatter happen inside the triton grouped-matmul kernels, so the
+    ``[T*k, H]`` permuted activations are never materialised (CUDA, or CPU under the Triton
+    interpreter).
     """
 
     def __init__(
@@ -39,8 +45,14 @@ class GroupedExperts(nn.Module):
         use_grouped_expert_matmul: bool = True,
         backend: str | None = None,
         validate_routing: bool = True,
+        fused_permute: bool = False,
     ) -> None:
         super().__init__()
+        if fused_permute and (not use_grouped_expert_matmul or backend not in (None, "triton")):
+            raise ValueError(
+                "fused_permute=True runs the triton gather/scatter kernels; it conflicts with "
+                f"use_grouped_expert_matmul={use_grouped_expert_matmul}, backend={backend!r}"
+            )
         for name, value in (
             ("num_experts", num_experts),
             ("hidden_size", hidden_size),
@@ -54,6 +66,7 @@ class GroupedExperts(nn.Module):
         self.use_grouped_expert_matmul = use_grouped_expert_matmul
         self.backend = backend
         self.validate_routing = validate_routing
+        self.fused_permute = fused_permute
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.last_tokens_per_expert: torch.Tensor | None = None
@@ -79,6 +92,14 @@ class GroupedExperts(nn.Module):
                 f"top_k_weights_Tk shape {tuple(top_k_weights_Tk.shape)} must equal top_k_index_Tk shape "
                 f"{tuple(top_k_index_Tk.shape)}"
             )
+        if self.fused_permute:
+            with record_function("moe::gather_scatter_mlp"):
+                out_TH = moe_mlp_gather_scatter(
+                    hidden_TH, top_k_index_Tk, top_k_weights_Tk, self.gate_up_proj, self.down_proj,
+                    validate=self.validate_routing,
+                )  # fmt: skip
+            self.last_tokens_per_expert = torch.bincount(top_k_index_Tk.reshape(-1), minlength=self.num_experts)
+            return out_TH
         with record_function("moe::permute"):
             permuted_RH, row_id_map_R, tokens_per_expert_E = permute(
                 hidden_TH, top_k_index_Tk, self.num_experts, validate=self.validate_routing
@@ -100,5 +121,5 @@ class GroupedExperts(nn.Module):
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, use_grouped_expert_matmul={self.use_grouped_expert_matmul}, "
-            f"backend={self.backend!r}"
+            f"backend={self.backend!r}" + (", fused_permute=True" if self.fused_permute else "")
         )

@@ -190,16 +190,19 @@ def moe_mlp_gather_scatter(
     probs_Tk: torch.Tensor,
     gate_up_EH2I: torch.Tensor,
     down_EIH: torch.Tensor,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """The routed experts of one MoE layer: ``unpermute(expert_mlp(permute(hidden)), probs)`` fused.
 
     Args:
         hidden_TH: ``[T, H]`` tokens.
-        selected_experts_Tk: ``[T, k]`` int32/int64 expert ids in ``[0, E)`` (not checked here:
-            a range check would need a host sync; ``permute`` documents the same contract).
+        selected_experts_Tk: ``[T, k]`` int32/int64 expert ids in ``[0, E)``.
         probs_Tk: ``[T, k]`` routing weights (any float dtype).
         gate_up_EH2I: ``[E, H, 2I]`` (gate = first half of the columns); any strides.
         down_EIH: ``[E, I, H]``; any strides.
+        validate: check that every id lies in ``[0, E)``; reads the ids on the host (a sync on an
+            accelerator), skipped under ``torch.compile``.
 
     Returns:
         ``[T, H]`` in ``hidden_TH``'s dtype. Runs on the triton backend (CUDA, or the interpreter).
@@ -223,6 +226,10 @@ def moe_mlp_gather_scatter(
             f"selected_experts_Tk and probs_Tk must both be [T, k] with T = {num_tokens}, "
             f"got {tuple(selected_experts_Tk.shape)} and {tuple(probs_Tk.shape)}"
         )
+    if validate and selected_experts_Tk.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(selected_experts_Tk.min()), int(selected_experts_Tk.max())  # host sync
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"selected_experts_Tk must lie in [0, {num_experts}), got values in [{lo}, {hi}]")
     slot_of_row_R, token_of_row_R, group_ends_E = routing_rows(selected_experts_Tk, num_experts)
     h_R2I = gather_grouped_matmul(hidden_TH, gate_up_EH2I, group_ends_E, token_of_row_R, slot_of_row_R)
     a_RI = swiglu(h_R2I)

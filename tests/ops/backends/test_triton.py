@@ -1,6 +1,6 @@
 """The triton backend vs the float64 reference and the eager backend.
 
-Without CUDA these run in Triton's CPU interpreter (``tests/ops/conftest.py`` sets
+Without CUDA these run in Triton's CPU interpreter (``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1``); each program costs milliseconds there, so shapes are tiny and tiles are
 32 wide where a test needs several tiles per expert. With CUDA the same tests run compiled.
 """
