@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -42,6 +40,8 @@ import torch  # noqa: E402
 
 from moe_gmm import grouped_matmul  # noqa: E402
 from moe_gmm.ops import permute, swiglu, unpermute  # noqa: E402
+from moe_gmm.bench.harness import Timing, timing_from_samples  # noqa: E402
+from moe_gmm.bench.machine import describe_machine  # noqa: E402
 from moe_gmm.ops.backends import get_backend  # noqa: E402
 from moe_gmm.ops.gather_gmm import moe_mlp_gather_scatter  # noqa: E402
 from moe_gmm.testing import (  # noqa: E402
@@ -122,11 +122,12 @@ def run_checks(device: str, dry_run: bool) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _timer(fn, device: str, warmup: int, repeats: int) -> float:
-    """Median milliseconds of ``fn()``; CUDA events on a GPU, wall clock on CPU."""
+def _timer(fn, device: str, warmup: int, repeats: int) -> Timing:
+    """Median and spread of ``fn()``: CUDA events on a GPU (the launches are asynchronous), wall
+    clock on CPU; summarised by the benchmark harness's ``timing_from_samples``."""
     for _ in range(warmup):
         fn()
-    times = []
+    samples = []
     for _ in range(repeats):
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -134,12 +135,12 @@ def _timer(fn, device: str, warmup: int, repeats: int) -> float:
             fn()
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+            samples.append(start.elapsed_time(end) / 1e3)
         else:
             t0 = time.perf_counter()
             fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+            samples.append(time.perf_counter() - t0)
+    return timing_from_samples(samples)
 
 
 def _uniform_counts(rows: int, experts: int, gen: torch.Generator) -> list[int]:
@@ -177,16 +178,18 @@ def time_gemm(shape: MoeShape, gemm: str, k: int, n: int, device: str, dtype, wa
 
     rows = []
     for mode, backward, flops in (("fwd", False, flops_fwd), ("fwd+bwd", True, 3 * flops_fwd)):
-        dense_ms = _timer(dense_fn(backward), device, warmup, repeats)
         impls = [("dense_mm", dense_fn(backward))]
         for backend in ("triton", "torch", "eager"):
             if get_backend(backend).refusal(x, w) is None:
                 impls.append((backend, gmm_fn(backend, backward)))
-        for impl, fn in impls:
-            ms = dense_ms if impl == "dense_mm" else _timer(fn, device, warmup, repeats)
+        timings = {impl: _timer(fn, device, warmup, repeats) for impl, fn in impls}
+        dense_ms = timings["dense_mm"].median_s * 1e3
+        for impl, t in timings.items():
+            ms = t.median_s * 1e3
             rows.append(dict(
                 shape=shape.name, tokens=shape.tokens, rows=shape.rows, experts=shape.local_experts, gemm=gemm,
-                k=k, n=n, mode=mode, impl=impl, ms=ms, tflops=flops / ms / 1e9, frac_dense=dense_ms / ms,
+                k=k, n=n, mode=mode, impl=impl, ms=ms, p20_ms=t.p20_s * 1e3, p80_ms=t.p80_s * 1e3,
+                tflops=flops / ms / 1e9, frac_dense=dense_ms / ms,
             ))  # fmt: skip
     return rows
 
@@ -221,19 +224,15 @@ def time_moe_mlp(shape: MoeShape, device: str, dtype, warmup: int, repeats: int)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        ms = _timer(step, device, warmup, repeats)
+        ms = _timer(step, device, warmup, repeats).median_s * 1e3
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else None
         rows.append(dict(shape=shape.name, tokens=shape.tokens, impl=impl, mode="fwd+bwd", ms=ms, peak_extra_mib=peak))
     return rows
 
 
 def _machine(device: str) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, check=False).stdout.strip()  # fmt: skip
-    except OSError:
-        commit = ""
-    info = dict(device=device, torch=torch.__version__, python=platform.python_version(), commit=commit)
+    info = asdict(describe_machine())
+    info["device"] = device
     try:
         import triton
 
@@ -287,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         device, shapes, warmup, repeats = "cuda", FULL_SHAPES, 3, args.repeats or 10
     started = time.perf_counter()
     result = dict(machine=_machine(device), dry_run=args.dry_run, checks=[], gemm=[], moe_mlp=[])
-    print(f"gpu_check on {result['machine']}")
+    m = result["machine"]
+    print(f"gpu_check on {m.get('gpu', m['cpu_model'])}: torch {m['torch_version']}, triton {m['triton']}, "
+          f"commit {m['git_commit']}")  # fmt: skip
     print("correctness:")
     try:
         result["checks"] = run_checks(device, args.dry_run)

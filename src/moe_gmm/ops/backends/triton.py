@@ -80,13 +80,24 @@ class TileConfig:
 
 
 def default_config(dtype: torch.dtype, device: torch.device) -> TileConfig:
-    """Untuned defaults: 128x128 output tiles on GPUs (a common Hopper/Ampere choice), 64 in the
-    interpreter, where each program costs milliseconds and bigger tiles mean fewer programs."""
+    """Untuned forward / grad_input tiles: 128x128 outputs on GPUs (a common Hopper/Ampere choice,
+    about 96 KiB of shared memory over 3 stages), 64 in the interpreter, where each program costs
+    milliseconds and bigger tiles mean fewer programs."""
     if device.type != "cuda":
         return TileConfig(block_m=64, block_n=64, block_k=64)
     if dtype == torch.float32:
         return TileConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3)
     return TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def default_wgrad_config(dtype: torch.dtype, device: torch.device) -> TileConfig:
+    """Untuned grad_weight tiles: ``block_k x block_n`` outputs, ``block_m`` rows reduced per step.
+    Kept within about 96 KiB of shared memory over 3 stages (fp32 operands are twice as wide)."""
+    if device.type != "cuda":
+        return TileConfig(block_m=64, block_n=64, block_k=64)
+    if dtype == torch.float32:
+        return TileConfig(block_m=32, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return TileConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 
 def _fit(block: int, dim: int) -> int:
@@ -149,7 +160,7 @@ def launch_gmm(
         dummy if row_scale is None else row_scale,
         num_experts, max_row_tiles, n, k,
         x.stride(0), x.stride(1), w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2), out.stride(0), out.stride(1),
-        E_POW2=_next_pow2(num_experts), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        E_POW2=max(32, _next_pow2(num_experts)), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_M=cfg.group_m, GATHER_X=x_rows is not None, SCATTER_Y=out_rows is not None,
         SCALE_Y=row_scale is not None, UPCAST=_upcast(x.dtype), INPUT_PRECISION=_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -174,7 +185,7 @@ def launch_gmm_wgrad(
     if k == 0 or n == 0:
         return dw_EKN
     m = x.shape[0] if x_rows is None else x_rows.shape[0]
-    cfg = config or default_config(x.dtype, x.device)
+    cfg = config or default_wgrad_config(x.dtype, x.device)
     block_m, block_n, block_k = _fit(cfg.block_m, max(m, 1)), _fit(cfg.block_n, n), _fit(cfg.block_k, k)
     grid = (_cdiv(k, block_k) * _cdiv(n, block_n), num_experts)
     dummy = group_ends_E
