@@ -21,6 +21,7 @@ accumulated in float32 for 16-bit inputs. Results are therefore reproducible run
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 __all__ = ["permute", "unpermute"]
 
@@ -94,8 +95,10 @@ def _permute_backward(ctx, grad_permuted_RH, _grad_row_id_map, _grad_counts):
     if grad_permuted_RH is None:
         return None, None, None
     (row_id_map_R,) = ctx.saved_tensors
-    # Each token's grad is the sum of its k copies' grads: a gather + fixed-order sum.
-    return _weighted_slot_sum(grad_permuted_RH, row_id_map_R, None, ctx.top_k), None, None
+    with record_function("moe::permute_bwd"):
+        # Each token's grad is the sum of its k copies' grads: a gather + one reduction.
+        grad_hidden_TH = _weighted_slot_sum(grad_permuted_RH, row_id_map_R, None, ctx.top_k)
+    return grad_hidden_TH, None, None
 
 
 torch.library.register_autograd("moe_gmm::permute", _permute_backward, setup_context=_permute_setup_context)
@@ -122,6 +125,11 @@ def _unpermute_setup_context(ctx, inputs, output) -> None:
 
 
 def _unpermute_backward(ctx, grad_out_TH):
+    with record_function("moe::unpermute_bwd"):
+        return _unpermute_grads(ctx, grad_out_TH)
+
+
+def _unpermute_grads(ctx, grad_out_TH):
     expert_out_RH, row_id_map_R, probs_Tk = ctx.saved_tensors
     num_tokens, top_k = probs_Tk.shape
     hidden = expert_out_RH.shape[1]

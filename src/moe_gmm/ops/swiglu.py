@@ -13,6 +13,7 @@ so autograd keeps one ``[.., 2I]`` tensor instead of three; math runs in float32
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 __all__ = ["swiglu"]
 
@@ -52,7 +53,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out: torch.Tensor):
     (x,) = ctx.saved_tensors
-    return _swiglu_grad(grad_out, x)
+    with record_function("moe::swiglu_bwd"):
+        return _swiglu_grad(grad_out, x)
 
 
 torch.library.register_autograd("moe_gmm::swiglu", _backward, setup_context=_setup_context)
