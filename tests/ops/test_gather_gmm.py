@@ -114,3 +114,19 @@ def test_bad_arguments_name_the_argument():
         moe_mlp_gather_scatter(hidden, ids.float(), probs, gate_up, down)
     with pytest.raises(ValueError, match="hidden_TH"):
         moe_mlp_gather_scatter(hidden[:, :-1], ids, probs, gate_up, down)
+
+
+def test_custom_ops_pass_opcheck():
+    """Schema, fake (shape-only) and autograd registrations of both custom ops."""
+    from moe_gmm.ops import gather_gmm
+
+    g = torch.Generator().manual_seed(4)
+    num_tokens, top_k, k_dim, n_dim, num_experts = 4, 2, 16, 16, 3
+    ids = routing_ids(num_tokens, top_k, num_experts, "uniform", generator=g).to(DEVICE)
+    slot_of_row, token_of_row, ends = routing_rows(ids, num_experts)
+    x = torch.randn(num_tokens, k_dim, generator=g).to(DEVICE).requires_grad_(True)
+    a = torch.randn(num_tokens * top_k, k_dim, generator=g).to(DEVICE).requires_grad_(True)
+    w = torch.randn(num_experts, k_dim, n_dim, generator=g).to(DEVICE).requires_grad_(True)
+    probs = torch.rand(num_tokens, top_k, generator=g).to(DEVICE).requires_grad_(True)
+    torch.library.opcheck(gather_gmm._gather_op, (x, w, ends, token_of_row, slot_of_row))
+    torch.library.opcheck(gather_gmm._scatter_op, (a, w, ends, token_of_row, slot_of_row, probs))

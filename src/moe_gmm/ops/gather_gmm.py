@@ -36,6 +36,41 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 # --------------------------------------------------------------------------------------------
+# The index-driven kernels as custom ops, so backward formulas stay traceable (fake tensors never
+# reach a kernel launch).
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moe_gmm::indexed_gmm", mutates_args=())
+def _indexed_gmm(
+    x: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor, x_rows: torch.Tensor | None,
+    out_rows: torch.Tensor | None, row_scale: torch.Tensor | None, num_out_rows: int,
+) -> torch.Tensor:  # fmt: skip
+    """``out[out_rows[r]] = row_scale[r] * x[x_rows[r]] @ w[e(r)]``; every out row must be named."""
+    out = x.new_empty(num_out_rows, w_EKN.shape[2])
+    return launch_gmm(x, w_EKN, group_ends_E, out, x_rows=x_rows, out_rows=out_rows, row_scale=row_scale)
+
+
+@_indexed_gmm.register_fake
+def _(x, w_EKN, group_ends_E, x_rows, out_rows, row_scale, num_out_rows):
+    return x.new_empty(num_out_rows, w_EKN.shape[2])
+
+
+@torch.library.custom_op("moe_gmm::indexed_gmm_wgrad", mutates_args=())
+def _indexed_wgrad(
+    x: torch.Tensor, dy: torch.Tensor, group_ends_E: torch.Tensor, x_rows: torch.Tensor | None,
+    dy_rows: torch.Tensor | None, dy_scale: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """``dw[e] = sum_{r in e} x[x_rows[r]]^T (dy_scale[r] * dy[dy_rows[r]])``, zeros for empty experts."""
+    return launch_gmm_wgrad(x, dy, group_ends_E, x_rows=x_rows, dy_rows=dy_rows, dy_scale=dy_scale)
+
+
+@_indexed_wgrad.register_fake
+def _(x, dy, group_ends_E, x_rows, dy_rows, dy_scale):
+    return x.new_empty(group_ends_E.shape[0], x.shape[1], dy.shape[1])
+
+
+# --------------------------------------------------------------------------------------------
 # gather: y[r] = x[token_of_row[r]] @ w[e(r)]
 # --------------------------------------------------------------------------------------------
 
@@ -67,11 +102,10 @@ def _gather_backward(ctx, dy_RN):
         num_rows = slot_of_row_R.shape[0]
         top_k = num_rows // num_tokens if num_tokens else 0
         # Each grouped row's dX goes to its own slot (unique): then a fixed-order sum over k.
-        dx_slots = x_TK.new_empty(num_rows, k_dim)
-        launch_gmm(dy_RN, w_EKN.transpose(1, 2), group_ends_E, dx_slots, out_rows=slot_of_row_R)
+        dx_slots = _indexed_gmm(dy_RN, w_EKN.transpose(1, 2), group_ends_E, None, slot_of_row_R, None, num_rows)
         dx = dx_slots.view(num_tokens, top_k, k_dim).to(_acc(x_TK.dtype)).sum(1).to(x_TK.dtype)
     if ctx.needs_input_grad[1]:
-        dw = launch_gmm_wgrad(x_TK, dy_RN, group_ends_E, x_rows=token_of_row_R)
+        dw = _indexed_wgrad(x_TK, dy_RN, group_ends_E, token_of_row_R, None, None)
     return dx, dw, None, None, None
 
 
@@ -119,10 +153,11 @@ def _scatter_backward(ctx, dout_TN, _dz):
     prob_of_row_R = probs_Tk.reshape(-1).index_select(0, slot_of_row_R).to(torch.float32)
     da = dw = dprobs = None
     if ctx.needs_input_grad[0]:
-        da = a_RK.new_empty(a_RK.shape)
-        launch_gmm(dout_TN, w_EKN.transpose(1, 2), group_ends_E, da, x_rows=token_of_row_R, row_scale=prob_of_row_R)
+        da = _indexed_gmm(
+            dout_TN, w_EKN.transpose(1, 2), group_ends_E, token_of_row_R, None, prob_of_row_R, a_RK.shape[0]
+        )
     if ctx.needs_input_grad[1]:
-        dw = launch_gmm_wgrad(a_RK, dout_TN, group_ends_E, dy_rows=token_of_row_R, dy_scale=prob_of_row_R)
+        dw = _indexed_wgrad(a_RK, dout_TN, group_ends_E, None, token_of_row_R, prob_of_row_R)
     if ctx.needs_input_grad[5]:
         acc = _acc(a_RK.dtype)
         dprobs = (z_TkN.to(acc) * dout_TN.to(acc).unsqueeze(1)).sum(-1).to(probs_Tk.dtype)
