@@ -1,0 +1,51 @@
+"""MoE-layer benchmark cases on a tiny block: every implementation agrees, rows and phases exist. No timing asserts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from moe_gmm.bench.harness import TimingSettings, run_benchmark  # noqa: E402
+from moe_gmm.bench.machine import Limits, describe_machine  # noqa: E402
+from moe_gmm.bench.moe_layer import IMPLS, PHASES, MoeLayerCase, case_set, layer_impls, profile_breakdown  # noqa: E402
+
+FAST = TimingSettings(warmup=0, min_repeats=1, max_repeats=1, min_seconds=0.0)
+LIMITS = Limits(peak_flops={"fp32": 1e11, "bf16": 2e11}, copy_bandwidth=1e10, gemm_sizes=(64,), copy_mib=1)
+TINY = MoeLayerCase(num_experts=8, num_tokens=12, top_k=2, hidden=32, intermediate=16, shared_intermediate=24)
+
+
+def test_all_implementations_agree_with_transformers_eager():
+    report = run_benchmark(
+        [TINY], layer_impls(list(IMPLS)), dtypes=[torch.float32], modes=["fwdbwd"], limits=LIMITS,
+        machine=describe_machine(), settings=FAST, reference="hf_eager", primary="moe_gmm",
+    )  # fmt: skip
+    rows = {r["impl"]: r for r in report.rows}
+    assert sorted(rows) == sorted(IMPLS)
+    for name, row in rows.items():
+        assert row["median_s"] > 0, name
+        # output and the grads of x and of every parameter, in transformers' layout
+        assert len(row["rel_err_parts"]) == 1 + 1 + 7, name
+        assert row["rel_err"] < 1e-5, (name, row["rel_err_parts"])
+
+
+def test_profile_breakdown_has_every_phase():
+    result = profile_breakdown(TINY, torch.float32, steps=1)
+    assert set(result["fwd"]) == {*PHASES, "total"}
+    assert set(result["bwd"]) == {*PHASES, "total"} - {"router", "shared_expert"}
+    for direction in ("fwd", "bwd"):
+        assert result[direction]["gmm"] > 0
+        assert result[direction]["total"] >= result[direction]["gmm"]
+    for phase in ("router", "permute", "swiglu", "unpermute", "shared_expert"):
+        assert result["fwd"][phase] > 0, phase
+
+
+def test_case_sets_and_impl_names():
+    assert [c.name for c in case_set("qwen")] == ["E64-k8-T1024", "E64-k8-T4096", "E256-k8-T1024", "E256-k8-T4096"]
+    assert case_set("quick")[0].flops("fwdbwd") == 3 * case_set("quick")[0].flops("fwd")
+    assert [i.name for i in layer_impls(["moe_gmm"])] == ["hf_eager", "moe_gmm"]
+    with pytest.raises(ValueError, match="impls"):
+        layer_impls(["nope"])
+    with pytest.raises(ValueError, match="case set"):
+        case_set("huge")
