@@ -85,7 +85,7 @@ def test_wrong_type_names_the_key(key, value, match):
 @pytest.mark.parametrize(
     ("key", "match"),
     [
-        ("parallel.ep_plan.dispatchr", r"^parallel\.ep_plan\.dispatchr: unknown key \(allowed under parallel\.ep_plan: apply_modules, dispatcher\)"),
+        ("parallel.ep_plan.dispatchr", r"^parallel\.ep_plan\.dispatchr: unknown key \(allowed under parallel\.ep_plan: apply_modules, dispatcher, num_chunks\)"),
         ("model.num_expert", r"^model\.num_expert: unknown key"),
         ("trainig", r"^trainig: unknown key \(allowed under <top level>"),
     ],
@@ -107,6 +107,11 @@ def test_impossible_combinations():
     data = _set(_tiny(), "parallel.expert_parallel_size", 2)
     with pytest.raises(ConfigError, match=r"^parallel\.ep_plan\.apply_modules: must name at least one module"):
         parse_config(_set(data, "parallel.ep_plan.apply_modules", []))
+    # The plan itself is checked by moe_gmm.parallel's EPPlan (pattern syntax, dispatcher, chunks).
+    with pytest.raises(ConfigError, match=r"^parallel\.ep_plan\.num_chunks: expected an int >= 1, got 0"):
+        parse_config(_set(data, "parallel.ep_plan.num_chunks", 0))
+    with pytest.raises(ConfigError, match=r"parallel\.ep_plan"):
+        parse_config(_set(data, "parallel.ep_plan.apply_modules", ["model.layers.{x-y}.mlp.experts"]))
     # EP 2 of world 2 is fine.
     assert parse_config(data, world_size=2).parallel.expert_parallel_size == 2
 

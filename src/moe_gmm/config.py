@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
-    "DISPATCHERS",
     "ConfigError",
     "EPPlanConfig",
     "ModelConfig",
@@ -31,7 +30,6 @@ __all__ = [
     "validate_config",
 ]
 
-DISPATCHERS = ("alltoall", "alltoall_overlap")
 Device = Literal["cpu", "cuda", "npu"]
 DType = Literal["bf16", "fp32"]
 
@@ -42,11 +40,17 @@ class ConfigError(ValueError):
 
 @dataclass
 class EPPlanConfig:
-    """Which modules are expert-parallel and how tokens travel (``parallel.ep_plan``)."""
+    """Which modules are expert-parallel and how tokens travel (``parallel.ep_plan``).
+
+    The YAML side of :class:`moe_gmm.parallel.plan.EPPlan`, which checks the values (pattern
+    syntax, dispatcher names); :func:`validate_config` builds one so a bad plan fails at load time.
+    """
 
     # Anchored patterns over ``named_modules()`` names; ``{*}`` matches one layer index.
     apply_modules: list[str] = field(default_factory=lambda: ["model.layers.{*}.mlp.experts"])
-    dispatcher: Literal["alltoall", "alltoall_overlap"] = "alltoall"
+    dispatcher: str = "alltoall"  # moe_gmm.parallel.plan.DISPATCHERS
+    # Chunks the local tokens are split into by the "alltoall_overlap" dispatcher.
+    num_chunks: int = 2
 
 
 @dataclass
@@ -242,8 +246,12 @@ def validate_config(cfg: RunConfig, *, world_size: int | None = None) -> RunConf
         raise ConfigError(
             f"parallel.expert_parallel_size: {p.expert_parallel_size} must divide the world size {world_size}"
         )
-    if p.expert_parallel_size > 1 and not p.ep_plan.apply_modules:
-        raise ConfigError("parallel.ep_plan.apply_modules: must name at least one module when expert_parallel_size > 1")
+    from moe_gmm.parallel.plan import EPPlan
+
+    try:
+        EPPlan.from_config(p)
+    except (TypeError, ValueError) as exc:  # its messages start with the key path
+        raise ConfigError(str(exc)) from None
     return cfg
 
 
