@@ -16,12 +16,17 @@ traces a layer through them. Neither uses atomics: the forward of ``permute`` an
 ``unpermute`` are gathers / unique-index scatters, and every sum over the k slots is a gather into
 ``[T, k, H]`` reduced over k by one kernel (``sum`` or a ``[T, 1, k] @ [T, k, H]`` batched GEMM),
 accumulated in float32 for 16-bit inputs. Results are therefore reproducible run to run.
+
+On an Ascend NPU with torch_npu the forward passes run the vendor's fused kernels
+(``moe_gmm.ops.npu_fused``); the backward formulas are the same everywhere.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.profiler import record_function
+
+from moe_gmm.ops import npu_fused
 
 __all__ = ["permute", "unpermute"]
 
@@ -62,6 +67,9 @@ def _weighted_slot_sum(src_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_T
 def _permute_op(
     hidden_TH: torch.Tensor, selected_experts_Tk: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    vendor = npu_fused.vendor_ops_for(hidden_TH)
+    if vendor is not None and npu_fused.permute_fits(selected_experts_Tk, num_experts):
+        return npu_fused.permute_forward(vendor, hidden_TH, selected_experts_Tk, num_experts)
     top_k = selected_experts_Tk.shape[1]
     flat_ids_R = selected_experts_Tk.reshape(-1).to(torch.int64)
     # order_R[r] = flat (token, slot) index that lands on row r; stable sort keeps (token, slot)
@@ -111,6 +119,9 @@ torch.library.register_autograd("moe_gmm::permute", _permute_backward, setup_con
 
 @torch.library.custom_op("moe_gmm::unpermute", mutates_args=())
 def _unpermute_op(expert_out_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_Tk: torch.Tensor) -> torch.Tensor:
+    vendor = npu_fused.vendor_ops_for(expert_out_RH)
+    if vendor is not None:
+        return npu_fused.unpermute_forward(vendor, expert_out_RH, row_id_map_R, probs_Tk)
     return _weighted_slot_sum(expert_out_RH, row_id_map_R, probs_Tk, probs_Tk.shape[1])
 
 

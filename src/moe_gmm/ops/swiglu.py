@@ -8,12 +8,15 @@ first I rows, so the transposed view ``gate_up_proj.transpose(1, 2)`` keeps the 
 
 A ``torch.library`` custom op whose backward saves only the input (the activation is recomputed),
 so autograd keeps one ``[.., 2I]`` tensor instead of three; math runs in float32 for 16-bit inputs.
+On an Ascend NPU with torch_npu the forward runs ``npu_swiglu`` (``moe_gmm.ops.npu_fused``).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.profiler import record_function
+
+from moe_gmm.ops import npu_fused
 
 __all__ = ["swiglu"]
 
@@ -26,6 +29,9 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @torch.library.custom_op("moe_gmm::swiglu", mutates_args=())
 def _swiglu_op(x: torch.Tensor) -> torch.Tensor:
+    vendor = npu_fused.vendor_ops_for(x)
+    if vendor is not None:
+        return npu_fused.swiglu_forward(vendor, x)
     gate, up = x.to(_acc_dtype(x.dtype)).chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 

@@ -150,3 +150,59 @@ def npu_grouped_matmul(
         return [torch.stack(ys, 0)] if single_out else ys
 
     raise NpuContractError(f"group_type must be -1, 0 or 2, got {group_type}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Token permute / unpermute and SwiGLU (torch_npu API reference; non-padded mode)
+# ---------------------------------------------------------------------------------------------
+
+MAX_TOP_K = 512
+MAX_EXPERT_ID = 2**24 - 1
+
+
+def npu_moe_token_permute(tokens: torch.Tensor, indices: torch.Tensor, num_out_tokens: int | None = None):
+    """``(permuted [min(T*k, num_out_tokens), H], sorted_indices [T*k] int32)``.
+
+    Stable argsort of the flat (token, slot) ids; ``sorted_indices`` is its inverse, so
+    ``permuted[sorted_indices[i]] = tokens[i // k]``.
+    """
+    if tokens.dtype not in _DTYPES:
+        raise NpuContractError(f"tokens dtype {tokens.dtype} is not supported")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise NpuContractError("indices must be int32 or int64")
+    top_k = 1 if indices.dim() == 1 else indices.shape[1]
+    if top_k > MAX_TOP_K:
+        raise NpuContractError(f"topK must be <= {MAX_TOP_K}, got {top_k}")
+    flat = indices.reshape(-1).to(torch.int64)
+    if flat.numel() and int(flat.max()) >= MAX_EXPERT_ID:
+        raise NpuContractError(f"expert ids must be < {MAX_EXPERT_ID}")
+    order = torch.sort(flat, stable=True).indices
+    sorted_indices = torch.empty_like(order)
+    sorted_indices[order] = torch.arange(order.numel())
+    permuted = tokens[order // top_k]
+    if num_out_tokens:
+        permuted = permuted[:num_out_tokens]
+    return permuted, sorted_indices.to(torch.int32)
+
+
+def npu_moe_token_unpermute(
+    permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, probs: torch.Tensor | None = None,
+    padded_mode: bool = False, restore_shape=None,
+) -> torch.Tensor:  # fmt: skip
+    """``out[t] = sum_j permuted[sorted_indices[t*k + j]] * probs[t, j]`` (k = 1 without probs)."""
+    if padded_mode or restore_shape is not None:
+        raise NpuContractError("padded mode is not supported")
+    if sorted_indices.dtype != torch.int32:
+        raise NpuContractError("sorted_indices must be int32")
+    if probs is not None and probs.dtype != permuted_tokens.dtype:
+        raise NpuContractError("probs and permuted_tokens must share a dtype")
+    top_k = 1 if probs is None else probs.shape[1]
+    gathered = permuted_tokens.float()[sorted_indices.long()].view(-1, top_k, permuted_tokens.shape[1])
+    weights = torch.ones(gathered.shape[:2]) if probs is None else probs.float()
+    return (gathered * weights.unsqueeze(-1)).sum(1).to(permuted_tokens.dtype)
+
+
+def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``silu(A) * B`` with ``A, B = x.chunk(2, dim)`` (A the first half)."""
+    a, b = x.float().chunk(2, dim=dim)
+    return (torch.nn.functional.silu(a) * b).to(x.dtype)
