@@ -78,7 +78,11 @@ FULL_SHAPES = [
 DRY_SHAPES = [MoeShape("tiny", 64, 32, 4, 2, 48)]
 
 # Correctness cases: (counts, K, N, transposed weight). Empty experts, tails no tile divides.
-FULL_CHECKS = [([300, 0, 129, 1000, 7, 0], 1000, 776, False), ([513, 0, 64], 2048, 1024, True), ([0, 37, 0], 72, 48, False)]
+FULL_CHECKS = [
+    ([300, 0, 129, 1000, 7, 0], 1000, 776, False),
+    ([513, 0, 64], 2048, 1024, True),
+    ([0, 37, 0], 72, 48, False),
+]
 DRY_CHECKS = [([17, 0, 40, 3], 40, 24, False), ([0, 9, 26], 24, 40, True)]
 
 
@@ -91,7 +95,9 @@ def check_backend(backend: str, dtype: torch.dtype, counts, k, n, transposed, de
     y.backward(dy)
     limit = tolerance_for(dtype).rel
     ref_dx, ref_dw = reference_grouped_matmul_grads(x, w, counts, dy)
-    record = dict(backend=backend, dtype=str(dtype).removeprefix("torch."), counts=counts, k=k, n=n, transposed=transposed)
+    record = dict(
+        backend=backend, dtype=str(dtype).removeprefix("torch."), counts=counts, k=k, n=n, transposed=transposed
+    )
     assert_rel_close(y.cpu(), reference_grouped_matmul(x, w, counts), limit, f"{backend} {record} y")
     assert_rel_close(x.grad.cpu(), ref_dx, limit, f"{backend} {record} dx")
     assert_rel_close(w.grad.cpu(), ref_dw, limit, f"{backend} {record} dw")
@@ -213,7 +219,8 @@ def time_moe_mlp(shape: MoeShape, device: str, dtype, warmup: int, repeats: int)
         return moe_mlp_gather_scatter(hidden, ids, probs, gate_up, down)
 
     out_u, out_f = unfused(), fused()
-    assert_rel_close(out_f.float().cpu(), out_u.double().cpu(), 2 * tolerance_for(dtype).rel, "fused vs unfused MoE MLP")
+    limit = 2 * tolerance_for(dtype).rel
+    assert_rel_close(out_f.float().cpu(), out_u.double().cpu(), limit, "fused vs unfused MoE MLP")
     rows = []
     for impl, fn in (("unfused", unfused), ("gather_scatter", fused)):
         def step(fn=fn):
@@ -246,7 +253,10 @@ def _machine(device: str) -> dict:
 
 
 def _print_table(rows: list[dict]) -> None:
-    header = f"{'shape':20s} {'tok':>6s} {'gemm':8s} {'K':>5s} {'N':>5s} {'mode':8s} {'impl':9s} {'ms':>9s} {'TFLOP/s':>8s} {'x dense':>7s}"
+    header = (
+        f"{'shape':20s} {'tok':>6s} {'gemm':8s} {'K':>5s} {'N':>5s} {'mode':8s} {'impl':9s} "
+        f"{'ms':>9s} {'TFLOP/s':>8s} {'x dense':>7s}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:

@@ -172,7 +172,9 @@ torch.library.register_autograd("moe_gmm::grouped_matmul_scatter", _scatter_back
 # --------------------------------------------------------------------------------------------
 
 
-def routing_rows(selected_experts_Tk: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def routing_rows(
+    selected_experts_Tk: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(slot_of_row_R, token_of_row_R, group_ends_E)`` for ``selected_experts_Tk`` ``[T, k]``.
 
     Rows are grouped by expert ascending, stable in (token, slot) order: the same grouping as
@@ -190,7 +192,9 @@ def routing_rows(selected_experts_Tk: torch.Tensor, num_experts: int) -> tuple[t
 def _require_triton(x: torch.Tensor, w: torch.Tensor) -> None:
     reason = get_backend("triton").refusal(x, w)
     if reason is not None:
-        raise ValueError(f"the gather/scatter MoE kernels run on the triton backend, which refuses these inputs: {reason}")
+        raise ValueError(
+            f"the gather/scatter MoE kernels run on the triton backend, which refuses these inputs: {reason}"
+        )
 
 
 def gather_grouped_matmul(
@@ -242,8 +246,14 @@ def moe_mlp_gather_scatter(
     Returns:
         ``[T, H]`` in ``hidden_TH``'s dtype. Runs on the triton backend (CUDA, or the interpreter).
     """
-    for name, t, dims in (("hidden_TH", hidden_TH, 2), ("selected_experts_Tk", selected_experts_Tk, 2),
-                          ("probs_Tk", probs_Tk, 2), ("gate_up_EH2I", gate_up_EH2I, 3), ("down_EIH", down_EIH, 3)):  # fmt: skip
+    operands = (
+        ("hidden_TH", hidden_TH, 2),
+        ("selected_experts_Tk", selected_experts_Tk, 2),
+        ("probs_Tk", probs_Tk, 2),
+        ("gate_up_EH2I", gate_up_EH2I, 3),
+        ("down_EIH", down_EIH, 3),
+    )
+    for name, t, dims in operands:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != dims:
@@ -255,7 +265,8 @@ def moe_mlp_gather_scatter(
     if hidden_TH.shape[1] != hidden:
         raise ValueError(f"hidden_TH.shape[1] must equal gate_up_EH2I.shape[1] = {hidden}, got {hidden_TH.shape[1]}")
     if tuple(down_EIH.shape) != (num_experts, two_inter // 2, hidden) or two_inter % 2:
-        raise ValueError(f"down_EIH must be [E, I, H] = {(num_experts, two_inter // 2, hidden)}, got {tuple(down_EIH.shape)}")
+        expected = (num_experts, two_inter // 2, hidden)
+        raise ValueError(f"down_EIH must be [E, I, H] = {expected}, got {tuple(down_EIH.shape)}")
     if selected_experts_Tk.shape[0] != num_tokens or tuple(probs_Tk.shape) != tuple(selected_experts_Tk.shape):
         raise ValueError(
             f"selected_experts_Tk and probs_Tk must both be [T, k] with T = {num_tokens}, "
