@@ -115,6 +115,7 @@ def test_validate_catches_a_backend_that_drops_an_experts_rows(broken_backend, t
         (["validate", "--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["train", "--config", "does/not/exist.yaml"], "cannot be read"),
         (["train", "--paths", "fused,turbo"], "--paths must be a comma-separated subset"),
+        (["bench", "--suite", "everything"], "invalid choice: 'everything'"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         ([], "the following arguments are required"),
     ],

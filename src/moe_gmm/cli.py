@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--profile-steps", type=int, default=2,
                    help="extra profiled steps per path for the time breakdown (0: none)")
 
-    b = sub.add_parser("bench", help="grouped-matmul benchmarks with JSON and plots")
+    b = sub.add_parser("bench", help="grouped-matmul and MoE-layer benchmarks with JSON and plots")
+    b.add_argument("--suite", choices=("gmm", "layer", "all"), default="all")
     b.add_argument("--out", default="out/bench", help="directory for bench.json and plots")
     b.add_argument("--quick", action="store_true", help="the small case set (seconds)")
     b.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
@@ -105,12 +106,15 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from moe_gmm.report.bench import BenchUsageError, run_bench
+    from moe_gmm.report.bench import SUITES, BenchUsageError, run_bench
 
     try:
-        run_bench(out_dir=args.out, quick=args.quick, dtype=args.dtype, mode=args.mode)
+        files = run_bench(out_dir=args.out, quick=args.quick, dtype=args.dtype, mode=args.mode,
+                          suites=SUITES if args.suite == "all" else (args.suite,))
     except BenchUsageError as exc:
         return _usage_error(str(exc))
+    for name, path in files.items():
+        print(f"wrote {path}  ({name})")
     return EXIT_OK
 
 

@@ -31,3 +31,12 @@ def test_plots_from_harness_json(tmp_path):
     assert set(files) == {"time_vs_rows", "roofline"}
     for p in files.values():
         assert p.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_layer_rows_without_m_use_tokens_times_top_k(tmp_path):
+    row = _row("moe_gmm", "E32-k8-T256", 0, 0, 5e-3)
+    row["params"] = {"num_experts": 32, "top_k": 8, "num_tokens": 256}
+    path = tmp_path / "moe_layer.json"
+    path.write_text(json.dumps({"rows": [row]}))
+    files = plot_bench_json(path, tmp_path, prefix="moe_layer")
+    assert files["time_vs_rows"].name == "moe_layer_time_vs_rows.png"
