@@ -107,6 +107,24 @@ def check_backend(backend: str, dtype: torch.dtype, counts, k, n, transposed, de
     return record
 
 
+def check_no_host_sync() -> dict:
+    """The triton forward and backward must not copy anything device-to-host (CUDA only)."""
+    x, w, group_list = gmm_inputs([40, 0, 17, 64], 64, 48, torch.bfloat16, device="cuda")
+    ends = torch.cumsum(group_list.cuda(), 0)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    dy = torch.randn(x.shape[0], 48, device="cuda", dtype=torch.bfloat16)
+    grouped_matmul(x, w, ends, group_list_type="cumsum", backend="triton", validate=False)  # compile first
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_matmul(x, w, ends, group_list_type="cumsum", backend="triton", validate=False).backward(dy)
+    except RuntimeError as exc:
+        raise AssertionError(f"triton forward/backward synchronised with the host: {exc}") from exc
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return dict(backend="triton", check="no host sync in forward and backward")
+
+
 def run_checks(device: str, dry_run: bool) -> list[dict]:
     cases = DRY_CHECKS if dry_run else FULL_CHECKS
     plan = [("triton", d) for d in (torch.float32, torch.float16, torch.bfloat16)] + [("torch", torch.bfloat16)]
@@ -120,6 +138,9 @@ def run_checks(device: str, dry_run: bool) -> list[dict]:
                 continue
             done.append(check_backend(backend, dtype, counts, k, n, transposed, device))
             print(f"  ok   {backend:6s} {str(dtype):15s} counts={counts} K={k} N={n} transposed={transposed}")
+    if device == "cuda":
+        done.append(check_no_host_sync())
+        print("  ok   triton performs no host sync in forward and backward")
     return done
 
 

@@ -168,3 +168,20 @@ def test_bf16_native_on_gpu(transposed):
     x_e, w_e = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
     y_e = grouped_matmul(x_e, w_e, counts, backend="eager")
     torch.testing.assert_close(y, y_e, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="host-sync detection needs a CUDA device")
+def test_no_host_sync_forward_and_backward():
+    """Work items come from the device-side group ends: no device-to-host copy anywhere."""
+    x, w, group_list = gmm_inputs([40, 0, 17, 64], 64, 48, torch.bfloat16, device="cuda")
+    ends = torch.cumsum(group_list.cuda(), 0)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    dy = torch.randn(x.shape[0], 48, device="cuda", dtype=torch.bfloat16)
+    grouped_matmul(x, w, ends, group_list_type="cumsum", backend="triton", validate=False)  # compile first
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = grouped_matmul(x, w, ends, group_list_type="cumsum", backend="triton", validate=False)
+        y.backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
