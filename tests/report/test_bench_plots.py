@@ -34,7 +34,7 @@ def test_plots_from_harness_json(tmp_path):
 
 
 def test_layer_rows_without_m_use_tokens_times_top_k(tmp_path):
-    row = _row("moe_gmm", "E32-k8-T256", 0, 0, 5e-3)
+    row = _row("moe_gmm", "E32-k8-T256", 2048, 32, 5e-3)
     row["params"] = {"num_experts": 32, "top_k": 8, "num_tokens": 256}
     path = tmp_path / "moe_layer.json"
     path.write_text(json.dumps({"rows": [row]}))
