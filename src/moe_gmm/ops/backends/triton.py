@@ -10,8 +10,8 @@ Legend: M rows grouped by expert, K input features, N output features, E experts
 
 Triton is imported, and the kernels defined, on the first call (``_kernels()``), so the
 interpreter (``TRITON_INTERPRET=1``, CPU tensors) can be switched on by a test before that; the
-variable must be set before triton itself is first imported (it fixes the standard library then). Under
-the interpreter, bf16 operands are upcast to fp32 before ``tl.dot`` because the interpreter's
+variable must be set before triton itself is first imported (it fixes the standard library then).
+Under the interpreter, bf16 operands are upcast to fp32 before ``tl.dot`` because the interpreter's
 bf16 dot is wrong upstream; compiled GPU kernels keep native bf16.
 
 float32 inputs use IEEE fp32 dot products unless ``torch.backends.cuda.matmul.allow_tf32`` is on,
@@ -116,7 +116,8 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _upcast(dtype: torch.dtype) -> bool:
-    return interpreting() and dtype == torch.bfloat16
+    """bf16 operands go through tl.dot as fp32 only in the interpreter (its bf16 dot is wrong)."""
+    return bool(_kernels_interpreted) and dtype == torch.bfloat16
 
 
 def launch_gmm(
