@@ -10,6 +10,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="triton is not installed: the gather/scatter kernels cannot be tested")
 
@@ -92,6 +94,34 @@ def test_fused_matches_unfused(dtype):
     torch.testing.assert_close(out_f, out_u, rtol=tol.rtol, atol=tol.atol)
     for i in (0, 2, 3, 4):  # hidden, probs, gate_up, down (ids have no grad)
         assert_rel_close(inputs[i].grad.float().cpu(), clones[i].grad.double().cpu(), 2 * tol.rel, f"grad {i}")
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    num_tokens=st.integers(1, 20),
+    top_k=st.integers(1, 3),
+    num_experts=st.integers(3, 6),
+    hidden=st.integers(1, 40),
+    inter=st.integers(1, 24),
+)
+def test_random_shapes_match_unfused(num_tokens, top_k, num_experts, hidden, inter):
+    g = torch.Generator().manual_seed(num_tokens * 7 + hidden)
+    ids = routing_ids(num_tokens, top_k, num_experts, "duplicate_topk", generator=g).to(DEVICE)
+    leaves = [
+        torch.randn(*shape, generator=g).to(DEVICE).requires_grad_(True)
+        for shape in ((num_tokens, hidden), (num_tokens, top_k), (num_experts, hidden, 2 * inter),
+                      (num_experts, inter, hidden))
+    ]  # fmt: skip
+    clones = [t.detach().clone().requires_grad_(True) for t in leaves]
+    hidden_f, probs_f, gate_up_f, down_f = leaves
+    out_f = moe_mlp_gather_scatter(hidden_f, ids, probs_f, gate_up_f, down_f)
+    x_RH, row_id_map, counts = permute(clones[0], ids, num_experts)
+    out_u = unpermute(expert_mlp(x_RH, counts, clones[2], clones[3], backend="eager"), row_id_map, clones[1])
+    out_f.sum().backward()
+    out_u.sum().backward()
+    assert_rel_close(out_f.cpu(), out_u.double().cpu(), 1e-5, "out")
+    for i, name in enumerate(("hidden", "probs", "gate_up", "down")):
+        assert_rel_close(leaves[i].grad.cpu(), clones[i].grad.double().cpu(), 1e-5, f"d{name}")
 
 
 def test_routing_rows_is_permutes_grouping():
