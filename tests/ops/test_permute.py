@@ -230,3 +230,9 @@ def test_unpermute_rejects_bad_inputs():
         unpermute(y, rows, probs.long())
     with pytest.raises(ValueError, match="probs_Tk"):
         unpermute(y, rows, probs.view(8))
+
+
+def test_every_output_element_is_written(poisoned_memory):
+    # Uninitialised memory is NaN here: the row scatter in unpermute's backward must cover every row.
+    _check_round_trip(num_tokens=10, top_k=3, num_experts=5, hidden=8, routing="duplicate_topk", dtype=torch.float32)
+    _check_round_trip(num_tokens=10, top_k=3, num_experts=8, hidden=8, routing="empty", dtype=torch.bfloat16)
