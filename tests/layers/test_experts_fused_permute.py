@@ -52,3 +52,16 @@ def test_fused_permute_argument_errors():
     ids = torch.full((2, TOP_K), E, device=DEVICE)
     with pytest.raises(ValueError, match="selected_experts_Tk"):
         experts(torch.randn(2, H, device=DEVICE), ids, torch.rand(2, TOP_K, device=DEVICE))
+
+
+def test_moe_block_option_matches_default_block():
+    from moe_gmm.layers import MoeBlockConfig, SparseMoeBlock
+
+    config = dict(hidden_size=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8,
+                  shared_expert_intermediate_size=8)  # fmt: skip
+    plain = SparseMoeBlock(MoeBlockConfig(**config)).to(DEVICE)
+    fused = SparseMoeBlock(MoeBlockConfig(**config, fused_permute=True)).to(DEVICE)
+    fused.load_state_dict(plain.state_dict())
+    assert fused.experts.fused_permute
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    assert_rel_close(fused(x).cpu(), plain(x).double().cpu(), 1e-5, "block output")

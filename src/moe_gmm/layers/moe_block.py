@@ -48,6 +48,8 @@ class MoeBlockConfig:
     use_grouped_expert_matmul: bool = True
     gmm_backend: str | None = None
     router_aux_loss_coef: float = 0.0
+    # Fuse permute / unpermute into the grouped matmuls (triton gather/scatter kernels; see GroupedExperts).
+    fused_permute: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
@@ -106,6 +108,7 @@ class SparseMoeBlock(nn.Module):
             use_grouped_expert_matmul=config.use_grouped_expert_matmul,
             backend=config.gmm_backend,
             validate_routing=False,  # the router's top-k yields ids in [0, E)
+            fused_permute=config.fused_permute,
         )
         if config.shared_expert_intermediate_size > 0:
             self.shared_expert = SharedExpertMLP(config.hidden_size, config.shared_expert_intermediate_size)
