@@ -49,7 +49,7 @@ def _qwen3_moe_config(**kw):
 def _olmoe_config(**kw):
     return transformers.OlmoeConfig(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        intermediate_size=32, num_experts=8, num_experts_per_tok=2, **kw,
+        intermediate_size=32, num_experts=8, num_experts_per_tok=2, eos_token_id=2, **kw,
     )  # fmt: skip
 
 
@@ -187,20 +187,33 @@ def test_config_from_hf():
 
 
 # ---------------------------------------------------------------------------------------------
-# Block equivalence: Qwen3_5MoeSparseMoeBlock vs SparseMoeBlock
+# Block equivalence: transformers' sparse MoE blocks vs SparseMoeBlock
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
-def test_qwen3_5_moe_block_matches_sparse_moe_block(fused):
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+SPARSE_BLOCKS = {
+    # family: (config factory, modeling module, sparse block class)
+    "qwen3_5_moe": (_qwen3_5_moe_config, "qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock"),
+    "qwen3_moe": (_qwen3_moe_config, "qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+    "olmoe": (_olmoe_config, "olmoe", "OlmoeSparseMoeBlock"),  # norm_topk_prob=False
+    "mixtral": (_mixtral_config, "mixtral", "MixtralSparseMoeBlock"),
+}
 
-    cfg = _qwen3_5_moe_config()
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+@pytest.mark.parametrize("family", list(SPARSE_BLOCKS))
+def test_hf_sparse_block_matches_sparse_moe_block(family, fused):
+    import importlib
+
+    make_config, module_name, class_name = SPARSE_BLOCKS[family]
+    cfg = make_config()
     cfg._experts_implementation = "eager"  # transformers' own per-expert loop
-    hf_block = Qwen3_5MoeSparseMoeBlock(cfg)
+    module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    hf_block = getattr(module, class_name)(cfg)
+    hf_block.train(False)  # Mixtral's router jitter is training-only
     _randomize(hf_block, 1)
     block = SparseMoeBlock(moe_block_config_from_hf(cfg, use_grouped_expert_matmul=fused))
-    block.load_state_dict(hf_to_moe_gmm_state_dict(hf_block.state_dict()))
+    block.load_state_dict(hf_to_moe_gmm_state_dict(hf_block.state_dict()), strict=True)
 
     x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(2))
     x_hf, x_ours = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
