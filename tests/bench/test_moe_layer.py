@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from moe_gmm.bench.harness import TimingSettings, run_benchmark  # noqa: E402
-from moe_gmm.bench.machine import Limits, describe_machine  # noqa: E402
-from moe_gmm.bench.moe_layer import IMPLS, PHASES, MoeLayerCase, case_set, layer_impls, profile_breakdown  # noqa: E402
+from moe_gmm.bench.harness import TimingSettings, run_benchmark
+from moe_gmm.bench.machine import Limits, describe_machine
+from moe_gmm.bench.moe_layer import IMPLS, PHASES, MoeLayerCase, case_set, layer_impls, profile_breakdown
 
 FAST = TimingSettings(warmup=0, min_repeats=1, max_repeats=1, min_seconds=0.0)
 LIMITS = Limits(peak_flops={"fp32": 1e11, "bf16": 2e11}, copy_bandwidth=1e10, gemm_sizes=(64,), copy_mib=1)

@@ -12,14 +12,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
-from moe_gmm.integrations.transformers import (  # noqa: E402
+from moe_gmm.integrations.transformers import (
     hf_to_moe_gmm_state_dict,
     moe_block_config_from_hf,
     moe_gmm_to_hf_state_dict,
     register_moe_gmm_experts,
 )
-from moe_gmm.layers import SparseMoeBlock  # noqa: E402
-from moe_gmm.testing import assert_rel_close  # noqa: E402
+from moe_gmm.layers import SparseMoeBlock
+from moe_gmm.testing import assert_rel_close
 
 FP32_LIMIT = 1e-5
 

@@ -49,7 +49,9 @@ def test_vs_reference(fused, routing):
     dy = torch.randn(30, H)
     out.backward(dy)
     ref.backward(dy.double())
-    for name, got, want in zip(("x", "gate_up", "down", "probs"), (x, experts.gate_up_proj, experts.down_proj, probs), leaves):
+    for name, got, want in zip(
+        ("x", "gate_up", "down", "probs"), (x, experts.gate_up_proj, experts.down_proj, probs), leaves
+    ):
         assert_rel_close(got.grad, want.grad, 1e-5, f"d {name}")
 
 

@@ -64,7 +64,9 @@ def test_fused_matches_eager(dtype):
     gate_up, down = _weights(8, dtype, hf_layout=True)
     args = (x, counts, *_views(gate_up.detach(), down.detach(), True))
     tol = tolerance_for(dtype)
-    torch.testing.assert_close(expert_mlp(*args, fused=True), expert_mlp(*args, fused=False), rtol=tol.rtol, atol=tol.atol)
+    torch.testing.assert_close(
+        expert_mlp(*args, fused=True), expert_mlp(*args, fused=False), rtol=tol.rtol, atol=tol.atol
+    )
 
 
 def test_zero_rows_and_cumsum_group_list():

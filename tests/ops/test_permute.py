@@ -96,7 +96,7 @@ def test_duplicate_expert_in_one_token():
 
 def test_row_id_map_is_a_permutation_and_rows_are_sorted():
     x, ids, _ = _inputs(50, 4, 7, 4, "skewed", torch.float32)
-    permuted, row_id_map, counts = permute(x, ids, 7)
+    _, row_id_map, counts = permute(x, ids, 7)
     assert torch.equal(torch.sort(row_id_map).values, torch.arange(200))
     expert_of_row = torch.empty(200, dtype=torch.int64)
     expert_of_row[row_id_map] = ids.reshape(-1)

@@ -160,7 +160,9 @@ def _hf_impl(name: str) -> Impl:
         leaves = (inp.x, *hf_block.parameters())
         return Workload(forward=lambda: hf_block(inp.x), leaves=leaves)
 
-    return Impl(name=name, prepare=prepare, description=f"transformers Qwen3_5MoeSparseMoeBlock, {implementation} experts")
+    return Impl(
+        name=name, prepare=prepare, description=f"transformers Qwen3_5MoeSparseMoeBlock, {implementation} experts"
+    )
 
 
 def _ours_impl(name: str) -> Impl:
@@ -329,13 +331,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     dtypes = [_DTYPES[n] for n in _split(args.dtype, ("fp32", "bf16"), "--dtype")]
     modes = _split(args.modes, ("fwd", "bwd", "fwdbwd"), "--modes")
-    cases = [c for c in case_set(args.cases or ("quick" if args.quick else "qwen")) if not args.filter or args.filter in c.name]
+    cases = [
+        c
+        for c in case_set(args.cases or ("quick" if args.quick else "qwen"))
+        if not args.filter or args.filter in c.name
+    ]
     if not cases:
         raise SystemExit("no case matches --cases/--filter")
     impls = layer_impls(_split(args.impls, IMPLS, "--impls") if args.impls else None)
-    settings = TimingSettings(warmup=1, min_repeats=3, max_repeats=5, min_seconds=0.0) if args.quick else TimingSettings()
+    settings = (
+        TimingSettings(warmup=1, min_repeats=3, max_repeats=5, min_seconds=0.0) if args.quick else TimingSettings()
+    )
     if args.repeats is not None:
-        settings = TimingSettings(settings.warmup, args.repeats, max(settings.max_repeats, args.repeats), settings.min_seconds)
+        settings = TimingSettings(
+            settings.warmup, args.repeats, max(settings.max_repeats, args.repeats), settings.min_seconds
+        )
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")

@@ -47,7 +47,9 @@ __all__ = [
 # ``<prefix>experts.gate_up_proj`` / ``<prefix>experts.down_proj``: the stacked 3-D expert weights.
 _STACKED_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?experts\.)(?P<name>gate_up_proj|down_proj)$")
 # ``<prefix>experts.<e>.{gate,up,down}_proj.weight``: per-expert nn.Linear weights (hub checkpoints).
-_PER_EXPERT_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?experts\.)(?P<e>\d+)\.(?P<name>gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT_KEY = re.compile(
+    r"^(?P<prefix>(?:.*\.)?experts\.)(?P<e>\d+)\.(?P<name>gate_proj|up_proj|down_proj)\.weight$"
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,7 +98,7 @@ def make_moe_gmm_experts_forward(*, backend: str | None = None, fused: bool = Tr
         with record_function("moe::permute"):
             # Ids come from the model's router top-k: in range by construction, no host sync.
             permuted_RH, row_id_map_R, counts_E = permute(x_TH, top_k_index, self.num_experts, validate=False)
-        gmm = dict(fused=fused, backend=backend, validate=False)
+        gmm = {"fused": fused, "backend": backend, "validate": False}
         if not self.has_bias and not self.has_post_expert_norm and _is_plain_swiglu(self):
             out_RH = expert_mlp(permuted_RH, counts_E, first, second, **gmm)
         else:
@@ -141,9 +143,7 @@ def register_moe_gmm_experts(name: str = "moe_gmm", *, backend: str | None = Non
     try:
         from transformers.integrations.moe import ExpertsInterface
     except ImportError as exc:  # transformers absent, or < 5 (no experts interface)
-        raise ImportError(
-            "register_moe_gmm_experts needs transformers>=5.24 (pip install 'moe-gmm[hf]')"
-        ) from exc
+        raise ImportError("register_moe_gmm_experts needs transformers>=5.24 (pip install 'moe-gmm[hf]')") from exc
     ExpertsInterface.register(name, make_moe_gmm_experts_forward(backend=backend, fused=fused))
     return name
 
@@ -172,15 +172,15 @@ def moe_block_config_from_hf(hf_config: Any, **overrides: Any) -> MoeBlockConfig
             raise ValueError(f"hf_config has none of {names}")
         return default
 
-    fields = dict(
-        hidden_size=first("hidden_size"),
-        num_experts=first("num_experts", "num_local_experts"),
-        num_experts_per_tok=first("num_experts_per_tok"),
-        moe_intermediate_size=first("moe_intermediate_size", "intermediate_size"),
-        shared_expert_intermediate_size=first("shared_expert_intermediate_size", default=0),
-        norm_topk_prob=bool(first("norm_topk_prob", default=True)),
-        router_aux_loss_coef=float(first("router_aux_loss_coef", default=0.0)),
-    )
+    fields = {
+        "hidden_size": first("hidden_size"),
+        "num_experts": first("num_experts", "num_local_experts"),
+        "num_experts_per_tok": first("num_experts_per_tok"),
+        "moe_intermediate_size": first("moe_intermediate_size", "intermediate_size"),
+        "shared_expert_intermediate_size": first("shared_expert_intermediate_size", default=0),
+        "norm_topk_prob": bool(first("norm_topk_prob", default=True)),
+        "router_aux_loss_coef": float(first("router_aux_loss_coef", default=0.0)),
+    }
     fields.update(overrides)
     return MoeBlockConfig(**fields)
 

@@ -62,7 +62,7 @@ def expert_mlp(
             f"down_EIH must have shape [E, I, H] = {expected_down} to match gate_up_EH2I {tuple(gate_up_EH2I.shape)}, "
             f"got {tuple(down_EIH.shape)}"
         )
-    gmm = dict(fused=fused, backend=backend, group_list_type=group_list_type)
+    gmm = {"fused": fused, "backend": backend, "group_list_type": group_list_type}
     with record_function("moe::gmm"):
         h_R2I = grouped_matmul(x_RH, gate_up_EH2I, group_list_E, validate=validate, **gmm)
     with record_function("moe::swiglu"):
