@@ -7,7 +7,9 @@ Sections, in order:
 2. routed experts and the MoE block (see :mod:`moe_gmm.report.layer_checks`): the routed-expert
    output with the shared expert held fixed, grad_input, grad_weight per expert, routing and
    shape checks;
-3. performance: the two expert matmuls, permute/unpermute, host time and one training step of the
+3. the Hugging Face Qwen3.5-MoE block with ``experts_implementation="moe_gmm"`` against
+   transformers' own eager experts (see :mod:`moe_gmm.report.hf_checks`);
+4. performance: the two expert matmuls, permute/unpermute, host time and one training step of the
    MoE block, eager vs fused.
 
 Legend: T tokens, k top-k, E experts, H hidden, I moe intermediate, M = T*k permuted rows.
@@ -25,8 +27,15 @@ import torch
 from moe_gmm.config import ModelConfig
 from moe_gmm.ops import grouped_matmul
 from moe_gmm.ops.backends import get_backend, select_backend
-from moe_gmm.report.checks import allclose_row, dtype_name, per_expert_max_abs, rel_err_row
-from moe_gmm.report.model import Report, Row
+from moe_gmm.report.checks import (
+    allclose_row,
+    dtype_name,
+    empty_zero_row,
+    per_expert_max_abs,
+    per_expert_row,
+    rel_err_row,
+)
+from moe_gmm.report.model import Report
 from moe_gmm.testing import (
     gmm_inputs,
     group_counts,
@@ -167,39 +176,6 @@ def gmm_rows(report: Report, opts: ValidateOptions, device: torch.device, shape:
     return plot_data
 
 
-def per_expert_row(section: str, check: str, dw_e: torch.Tensor, dw_f: torch.Tensor, counts, tol) -> Row:
-    """Worst expert of ``max |dw_fused[e] - dw_eager[e]|``, each held to ``atol + rtol |dw_eager[e]|``."""
-    per_expert = per_expert_max_abs(dw_f, dw_e)
-    diff = (dw_f.detach().double() - dw_e.detach().double()).abs()
-    bound = tol.atol + tol.rtol * dw_e.detach().double().abs()
-    ratio_E = (diff / bound).reshape(diff.shape[0], -1).amax(dim=1)
-    worst = int(ratio_E.argmax())
-    failing = [e for e in range(len(per_expert)) if not ratio_E[e] <= 1.0]
-    ok = bool(torch.isfinite(dw_f).all()) and not failing
-    if max(per_expert) == 0.0:
-        notes = "every expert bitwise identical"
-    else:
-        notes = f"worst expert {worst} ({int(counts[worst])} rows)"
-    if failing:
-        notes += f"; failing experts {failing}"
-    return Row(section, check, "max abs diff fused-eager (max over experts)", None, max(per_expert),
-               f"rtol={tol.rtol:g} atol={tol.atol:g}", ok, notes,
-               details={"per_expert_max_abs": per_expert, "counts": [int(c) for c in counts], "worst_expert": worst})
-
-
-def empty_zero_row(section: str, check: str, dw_e: torch.Tensor, dw_f: torch.Tensor, empty: list[int]) -> Row:
-    """Experts that received no rows must get a gradient of exactly zero on both paths."""
-    nz_e = [e for e in empty if bool((dw_e[e] != 0).any())]
-    nz_f = [e for e in empty if bool((dw_f[e] != 0).any())]
-    max_e = max((float(dw_e[e].abs().max()) for e in empty), default=0.0)
-    max_f = max((float(dw_f[e].abs().max()) for e in empty), default=0.0)
-    ok = not nz_e and not nz_f and all(bool(torch.isfinite(dw_f[e]).all()) for e in empty)
-    notes = f"empty experts {empty}"
-    if nz_e or nz_f:
-        notes += f"; nonzero: eager {nz_e}, fused {nz_f}"
-    return Row(section, check, "max |grad| over empty experts", max_e, max_f, "exactly 0", ok, notes)
-
-
 # ----------------------------------------------------------------------------------------------
 # Orchestration
 # ----------------------------------------------------------------------------------------------
@@ -210,7 +186,7 @@ def run_validation(opts: ValidateOptions, out_dir: str | Path | None = None, pro
 
     ``progress``, if given, is called as ``progress(description)`` before each section.
     """
-    from moe_gmm.report import layer_checks
+    from moe_gmm.report import hf_checks, layer_checks
 
     device = _check_options(opts)
     shape = MODEL_PRESETS[opts.model]
@@ -238,6 +214,8 @@ def run_validation(opts: ValidateOptions, out_dir: str | Path | None = None, pro
     gmm_plot = gmm_rows(report, opts, device, shape)
     say("routed experts and MoE block")
     layer_plot = layer_checks.layer_rows(report, opts, device, shape)
+    say("Hugging Face Qwen3.5-MoE block")
+    hf_checks.hf_rows(report, opts, device, shape)
     say("timing")
     times = layer_checks.timing_rows(report, opts, device, shape)
     files: dict[str, Path] = {}
