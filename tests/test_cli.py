@@ -20,17 +20,34 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Every kind of row the measurement table must hold (a substring of the row's check name).
 REQUIRED_CHECKS = [
-    "forward, uniform groups", "forward, uneven groups", "forward, empty groups",
-    "grad_input, uniform groups", "grad_input, empty groups",
-    "grad_weight per expert, uneven groups", "grad_weight of empty experts, empty groups",
-    "routed-expert output", "shared expert held fixed", "MoE block output (shared expert held fixed)",
-    "grad_input", "gate_up_proj grad per expert", "down_proj grad of empty experts",
-    "tokens_per_expert load", "empty experts", "routing weights sum to 1 per token",
+    "forward, uniform groups",
+    "forward, uneven groups",
+    "forward, empty groups",
+    "grad_input, uniform groups",
+    "grad_input, empty groups",
+    "grad_weight per expert, uneven groups",
+    "grad_weight of empty experts, empty groups",
+    "routed-expert output",
+    "shared expert held fixed",
+    "MoE block output (shared expert held fixed)",
+    "grad_input",
+    "gate_up_proj grad per expert",
+    "down_proj grad of empty experts",
+    "tokens_per_expert load",
+    "empty experts",
+    "routing weights sum to 1 per token",
     "top-k ids consistent with permute/unpermute",
-    "group_list.sum() == permuted rows", "gate_up GMM output [R, 2I]", "down GMM output [R, H]",
-    "unpermute output [T, H]", "grad shapes == parameter shapes",
-    "GMM time (the two expert matmuls", "permute/unpermute time", "host time", "MoE block training step",
-    "experts.gate_up_proj grad per expert (HF layout)", "experts.down_proj grad per expert (HF layout)",
+    "group_list.sum() == permuted rows",
+    "gate_up GMM output [R, 2I]",
+    "down GMM output [R, H]",
+    "unpermute output [T, H]",
+    "grad shapes == parameter shapes",
+    "GMM time (the two expert matmuls",
+    "permute/unpermute time",
+    "host time",
+    "MoE block training step",
+    "experts.gate_up_proj grad per expert (HF layout)",
+    "experts.down_proj grad per expert (HF layout)",
 ]
 
 
@@ -55,7 +72,13 @@ def test_validate_quick_passes_and_fills_every_row(quick_run):
             assert isinstance(r["fused"], (int, float)) and r["fused"] == r["fused"], r  # numeric, not NaN
             assert r["eager"] is None or isinstance(r["eager"], (int, float)), r
     assert data["meta"]["dtype"] == "bfloat16" and data["meta"]["fused_backend"]
-    for name in ("report.md", "report.json", "grad_weight_per_expert.png", "time_breakdown.png", "tokens_per_expert.png"):
+    for name in (
+        "report.md",
+        "report.json",
+        "grad_weight_per_expert.png",
+        "time_breakdown.png",
+        "tokens_per_expert.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     assert "all checks pass" in (out / "report.md").read_text()
 
@@ -84,7 +107,9 @@ def broken_backend():
 
 
 def test_validate_catches_a_backend_that_drops_an_experts_rows(broken_backend, tmp_path):
-    code = main(["validate", "--quick", "--tokens", "32", "--no-plots", "--backend", broken_backend, "--out", str(tmp_path)])
+    code = main(
+        ["validate", "--quick", "--tokens", "32", "--no-plots", "--backend", broken_backend, "--out", str(tmp_path)]
+    )
     assert code == EXIT_FAIL
     rows = json.loads((tmp_path / "report.json").read_text())["rows"]
     status = {(r["section"].split(" (")[0], r["check"], r["metric"]): r["status"] for r in rows}
@@ -97,8 +122,17 @@ def test_validate_catches_a_backend_that_drops_an_experts_rows(broken_backend, t
         assert status[("grouped matmul", f"grad_input, {case} groups", "max abs diff fused-eager")] == "PASS"
     # In the block, the routed output is wrong and the shared expert is not to blame.
     assert ("routed experts in the MoE block", "routed-expert output", "rel diff fused-eager") in failed
-    assert ("routed experts in the MoE block", "MoE block output (shared expert held fixed)", "rel diff fused-eager") in failed
-    assert status[("routed experts in the MoE block", "shared expert held fixed (same weights, same output)", "max abs diff")] == "PASS"
+    assert (
+        "routed experts in the MoE block",
+        "MoE block output (shared expert held fixed)",
+        "rel diff fused-eager",
+    ) in failed
+    assert (
+        status[
+            ("routed experts in the MoE block", "shared expert held fixed (same weights, same output)", "max abs diff")
+        ]
+        == "PASS"
+    )
     # Routing and shape checks do not involve the backend's numbers and still pass.
     assert not any(k[0] in ("routing", "shapes") for k in failed)
     per_expert = next(r for r in rows if r["check"] == "down_proj grad per expert, router's choice")
@@ -134,7 +168,11 @@ def test_bad_config_in_a_subprocess_exits_2_without_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "moe_gmm.cli", "train", "--config", str(bad), "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, env=env, timeout=120,
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == EXIT_USAGE, proc.stderr
     assert "moe-gmm: error: parallel.expert_parallel_size: 3 must divide model.num_experts 8" in proc.stderr

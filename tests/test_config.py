@@ -69,7 +69,11 @@ def _set(data: dict, dotted: str, value) -> dict:
         ("model.use_grouped_expert_matmul", "yes please", r"^model\.use_grouped_expert_matmul: expected bool"),
         ("model.num_experts", True, r"^model\.num_experts: expected int, got bool"),
         ("model.model_id", "llama", r"^model\.model_id: expected one of 'qwen3_5_moe'"),
-        ("parallel.ep_plan.apply_modules", "model.layers.{*}.mlp.experts", r"^parallel\.ep_plan\.apply_modules: expected list"),
+        (
+            "parallel.ep_plan.apply_modules",
+            "model.layers.{*}.mlp.experts",
+            r"^parallel\.ep_plan\.apply_modules: expected list",
+        ),
         ("parallel.ep_plan.apply_modules", ["ok", 3], r"^parallel\.ep_plan\.apply_modules\[1\]: expected str"),
         ("training.lr", "1e-3", r"^training\.lr: expected float, got string '1e-3' \(YAML needs a dot"),
         ("dtype", "fp8", r"^dtype: expected one of 'bf16', 'fp32'"),
@@ -85,7 +89,10 @@ def test_wrong_type_names_the_key(key, value, match):
 @pytest.mark.parametrize(
     ("key", "match"),
     [
-        ("parallel.ep_plan.dispatchr", r"^parallel\.ep_plan\.dispatchr: unknown key \(allowed under parallel\.ep_plan: apply_modules, dispatcher, num_chunks\)"),
+        (
+            "parallel.ep_plan.dispatchr",
+            r"^parallel\.ep_plan\.dispatchr: unknown key \(allowed under parallel\.ep_plan: apply_modules, dispatcher, num_chunks\)",
+        ),
         ("model.num_expert", r"^model\.num_expert: unknown key"),
         ("trainig", r"^trainig: unknown key \(allowed under <top level>"),
     ],

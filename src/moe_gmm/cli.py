@@ -24,10 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="fill the measurement table: eager vs fused, pass/fail per row")
     v.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
-    v.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="bf16 (the reference unit test's dtype, rtol=atol=1e-2) or fp32 (1e-5)")
-    v.add_argument("--model", default="tiny",
-                   help="layer sizes: tiny (default), qwen3_5_35b_layer, qwen3_5_397b_layer")
+    v.add_argument(
+        "--dtype",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="bf16 (the reference unit test's dtype, rtol=atol=1e-2) or fp32 (1e-5)",
+    )
+    v.add_argument("--model", default="tiny", help="layer sizes: tiny (default), qwen3_5_35b_layer, qwen3_5_397b_layer")
     v.add_argument("--backend", default=None, help="grouped-matmul backend of the fused path (default: automatic)")
     v.add_argument("--out", default="out/validate", help="directory for report.md, report.json and plots")
     v.add_argument("--quick", action="store_true", help="fewer tokens and timing repeats (about a minute on 2 cores)")
@@ -41,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     t.add_argument("--out", default="out/train", help="directory for losses.csv, losses.png, report, checkpoints")
     t.add_argument("--paths", default="fused,eager", help="comma-separated subset of fused,eager to run")
-    t.add_argument("--profile-steps", type=int, default=2,
-                   help="extra profiled steps per path for the time breakdown (0: none)")
+    t.add_argument(
+        "--profile-steps", type=int, default=2, help="extra profiled steps per path for the time breakdown (0: none)"
+    )
 
     b = sub.add_parser("bench", help="grouped-matmul and MoE-layer benchmarks with JSON and plots")
     b.add_argument("--suite", choices=("gmm", "layer", "all"), default="all")
@@ -72,8 +76,14 @@ def _validate(args: argparse.Namespace) -> int:
     if args.tokens is not None and args.tokens < 1:
         return _usage_error(f"--tokens must be >= 1, got {args.tokens}")
     opts = ValidateOptions(
-        device=args.device, dtype=args.dtype, model=args.model, quick=args.quick, backend=args.backend,
-        seed=args.seed, num_tokens=args.tokens, plots=not args.no_plots,
+        device=args.device,
+        dtype=args.dtype,
+        model=args.model,
+        quick=args.quick,
+        backend=args.backend,
+        seed=args.seed,
+        num_tokens=args.tokens,
+        plots=not args.no_plots,
     )
     console = wide_console()
     try:
@@ -98,8 +108,14 @@ def _train(args: argparse.Namespace) -> int:
     if args.profile_steps < 0:
         return _usage_error(f"--profile-steps must be >= 0, got {args.profile_steps}")
     try:
-        result = run_training(args.config, out_dir=args.out, steps=args.steps, resume=args.resume, paths=paths,
-                              profile_steps=args.profile_steps)
+        result = run_training(
+            args.config,
+            out_dir=args.out,
+            steps=args.steps,
+            resume=args.resume,
+            paths=paths,
+            profile_steps=args.profile_steps,
+        )
     except (ConfigError, TrainUsageError) as exc:
         return _usage_error(str(exc))
     return EXIT_OK if result.ok else EXIT_FAIL
@@ -109,8 +125,13 @@ def _bench(args: argparse.Namespace) -> int:
     from moe_gmm.report.bench import SUITES, BenchUsageError, run_bench
 
     try:
-        files = run_bench(out_dir=args.out, quick=args.quick, dtype=args.dtype, mode=args.mode,
-                          suites=SUITES if args.suite == "all" else (args.suite,))
+        files = run_bench(
+            out_dir=args.out,
+            quick=args.quick,
+            dtype=args.dtype,
+            mode=args.mode,
+            suites=SUITES if args.suite == "all" else (args.suite,),
+        )
     except BenchUsageError as exc:
         return _usage_error(str(exc))
     for name, path in files.items():

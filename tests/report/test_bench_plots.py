@@ -9,8 +9,17 @@ from moe_gmm.report.bench import plot_bench_json
 
 def _row(impl: str, case: str, m: int, active: int, median_s: float | None, floor_s: float = 1e-3) -> dict:
     flops = 2.0 * m * 64 * 128
-    row = {"case": case, "label": "gate_up", "params": {"M": m, "active_experts": active}, "dtype": "fp32",
-           "mode": "fwd", "impl": impl, "flops": flops, "floor_s": floor_s, "median_s": median_s}
+    row = {
+        "case": case,
+        "label": "gate_up",
+        "params": {"M": m, "active_experts": active},
+        "dtype": "fp32",
+        "mode": "fwd",
+        "impl": impl,
+        "flops": flops,
+        "floor_s": floor_s,
+        "median_s": median_s,
+    }
     if median_s is not None:
         row["gflops"] = flops / median_s / 1e9
     else:

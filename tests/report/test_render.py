@@ -14,7 +14,18 @@ from moe_gmm.report.render import render_terminal, to_json, to_markdown, write_r
 def _report() -> Report:
     r = Report("demo", meta={"device": "cpu", "dtype": "bfloat16"})
     r.add(Row("gmm", "forward, uniform", "rel err vs float64", 1.5e-3, 1.6e-3, 1e-2, True))
-    r.add(Row("gmm", "forward | pipe", "max abs diff fused-eager", None, 0.5, "rtol=0.01 atol=0.01", False, "worst expert 3"))
+    r.add(
+        Row(
+            "gmm",
+            "forward | pipe",
+            "max abs diff fused-eager",
+            None,
+            0.5,
+            "rtol=0.01 atol=0.01",
+            False,
+            "worst expert 3",
+        )
+    )
     r.add(Row("perf", "GMM time", "ms", 4.0, float("nan"), None, None, details={"per_expert": [0.0, 1.0]}))
     return r
 
@@ -31,7 +42,10 @@ def test_markdown_has_one_table_per_section_and_escapes_pipes():
     md = to_markdown(_report())
     assert md.startswith("# demo\n")
     assert "## gmm" in md and "## perf" in md
-    assert "| forward \\| pipe | max abs diff fused-eager | - | 0.5 | rtol=0.01 atol=0.01 | **FAIL** | worst expert 3 |" in md
+    assert (
+        "| forward \\| pipe | max abs diff fused-eager | - | 0.5 | rtol=0.01 atol=0.01 | **FAIL** | worst expert 3 |"
+        in md
+    )
     assert "**1 check(s) FAILED** (1 pass, 1 fail, 1 info)" in md
 
 
@@ -69,7 +83,9 @@ def test_write_report_and_plots(tmp_path):
     assert json.loads(paths["json"].read_text())["title"] == "demo"
     pngs = [
         plots.plot_grad_weight_errors({"gate_up": [0.0, 1e-3, 2e-3]}, [0, 4, 5], 1e-2, tmp_path / "a.png"),
-        plots.plot_time_breakdown({"eager": {"gmm": 2.0, "step": 5.0}, "fused": {"gmm": 1.0, "step": 4.0}}, tmp_path / "b.png"),
+        plots.plot_time_breakdown(
+            {"eager": {"gmm": 2.0, "step": 5.0}, "fused": {"gmm": 1.0, "step": 4.0}}, tmp_path / "b.png"
+        ),
         plots.plot_tokens_per_expert([3, 0, 5], tmp_path / "c.png"),
         plots.plot_loss_curves({"fused": [3.0, 2.0], "eager": [3.0, 2.1]}, tmp_path / "d.png"),
     ]

@@ -10,17 +10,19 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from moe_gmm.cli import EXIT_OK, EXIT_USAGE, main  # noqa: E402
-from moe_gmm.config import RunConfig, TrainingConfig  # noqa: E402
-from moe_gmm.report.train import run_training, synthetic_batch  # noqa: E402
-from moe_gmm.testing import tolerance_for  # noqa: E402
+from moe_gmm.cli import EXIT_OK, EXIT_USAGE, main
+from moe_gmm.config import RunConfig, TrainingConfig
+from moe_gmm.report.train import run_training, synthetic_batch
+from moe_gmm.testing import tolerance_for
 
 STEPS = 4
 
 
 def _cfg(dtype: str = "fp32") -> RunConfig:
     # The default tiny model on a smaller batch, to keep the test fast.
-    return dataclasses.replace(RunConfig(), dtype=dtype, training=TrainingConfig(steps=STEPS, micro_batch_size=2, seq_len=16))
+    return dataclasses.replace(
+        RunConfig(), dtype=dtype, training=TrainingConfig(steps=STEPS, micro_batch_size=2, seq_len=16)
+    )
 
 
 def test_synthetic_batches_are_a_pure_function_of_seed_and_step():
@@ -57,10 +59,21 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     # Stop half way through, then resume through the CLI from the checkpoint.
     run_training(_cfg(), out_dir=tmp_path / "b", steps=STEPS // 2, paths=("fused",), profile_steps=0)
     cfg_file = tmp_path / "tiny.yaml"
-    cfg_file.write_text(
-        "training:\n  steps: 4\n  micro_batch_size: 2\n  seq_len: 16\n"
+    cfg_file.write_text("training:\n  steps: 4\n  micro_batch_size: 2\n  seq_len: 16\n")
+    code = main(
+        [
+            "train",
+            "--config",
+            str(cfg_file),
+            "--resume",
+            "--out",
+            str(tmp_path / "b"),
+            "--paths",
+            "fused",
+            "--profile-steps",
+            "0",
+        ]
     )
-    code = main(["train", "--config", str(cfg_file), "--resume", "--out", str(tmp_path / "b"), "--paths", "fused", "--profile-steps", "0"])
     assert code == EXIT_OK
     resumed = json.loads((tmp_path / "b" / "train_report.json").read_text())
     assert resumed["meta"]["steps"] == STEPS

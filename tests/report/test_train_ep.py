@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from moe_gmm.parallel.launch import free_port  # noqa: E402
-from moe_gmm.report.train import run_training  # noqa: E402
+from moe_gmm.parallel.launch import free_port
+from moe_gmm.report.train import run_training
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "training:\n  steps: 3\n  micro_batch_size: 4\n  seq_len: 16\n"
@@ -32,9 +32,25 @@ def test_two_process_expert_parallel_run_matches_one_process(tmp_path):
     single = run_training(cfg1, out_dir=tmp_path / "one", paths=("fused",), profile_steps=0)
 
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "moe_gmm.cli", "train", "--config", str(cfg2), "--out", str(tmp_path / "two"), "--profile-steps", "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "moe_gmm.cli",
+        "train",
+        "--config",
+        str(cfg2),
+        "--out",
+        str(tmp_path / "two"),
+        "--profile-steps",
+        "0",
+    ]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     two = tmp_path / "two"
     # Each rank checkpoints its own expert shard.

@@ -24,7 +24,9 @@ class BenchUsageError(ValueError):
 SUITES = ("gmm", "layer")
 
 
-def run_bench(*, out_dir: str | Path, quick: bool, dtype: str, mode: str, suites: tuple[str, ...] = SUITES) -> dict[str, Path]:
+def run_bench(
+    *, out_dir: str | Path, quick: bool, dtype: str, mode: str, suites: tuple[str, ...] = SUITES
+) -> dict[str, Path]:
     """Run the chosen suites of :mod:`moe_gmm.bench` (``gmm``, ``layer``) and plot their JSON."""
     from moe_gmm.bench import gmm, moe_layer
 
@@ -80,7 +82,8 @@ def plot_bench_json(json_path: str | Path, out_dir: str | Path, prefix: str = "g
                 achieved[f"roofline {r['dtype']}"].append((label, r["flops"] / r["floor_s"] / 1e9))
     files = {}
     if times:
-        files["time_vs_rows"] = plots.plot_bench_times(times, out / f"{prefix}_time_vs_rows.png",
-                                                       "mean rows per active expert")
+        files["time_vs_rows"] = plots.plot_bench_times(
+            times, out / f"{prefix}_time_vs_rows.png", "mean rows per active expert"
+        )
         files["roofline"] = plots.plot_bench_roofline(achieved, None, out / f"{prefix}_roofline.png")
     return files

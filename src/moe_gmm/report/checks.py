@@ -77,7 +77,13 @@ def allclose_row(
 ) -> Row:
     if eager.shape != fused.shape:
         return Row(
-            section, check, "max abs diff fused-eager", None, None, _tol_text(tol), False,
+            section,
+            check,
+            "max abs diff fused-eager",
+            None,
+            None,
+            _tol_text(tol),
+            False,
             f"shape mismatch: eager {tuple(eager.shape)} vs fused {tuple(fused.shape)}",
         )
     diff = (fused.detach().double() - eager.detach().double()).abs()
@@ -85,8 +91,16 @@ def allclose_row(
     ratio = worst_ratio(fused, eager, tol)
     ok = finite(fused) and ratio <= 1.0
     extra = f"worst |d|/(atol+rtol|eager|) = {ratio:.3g}"
-    return Row(section, check, "max abs diff fused-eager", None, max_abs, _tol_text(tol), ok,
-               f"{notes}; {extra}" if notes else extra)
+    return Row(
+        section,
+        check,
+        "max abs diff fused-eager",
+        None,
+        max_abs,
+        _tol_text(tol),
+        ok,
+        f"{notes}; {extra}" if notes else extra,
+    )
 
 
 def rel_diff_row(
@@ -94,14 +108,30 @@ def rel_diff_row(
 ) -> Row:
     """``||fused - eager|| / ||eager||`` against ``tol.rel``; the max abs diff goes in the notes."""
     if eager.shape != fused.shape:
-        return Row(section, check, "rel diff fused-eager", None, None, tol.rel, False,
-                   f"shape mismatch: eager {tuple(eager.shape)} vs fused {tuple(fused.shape)}")
+        return Row(
+            section,
+            check,
+            "rel diff fused-eager",
+            None,
+            None,
+            tol.rel,
+            False,
+            f"shape mismatch: eager {tuple(eager.shape)} vs fused {tuple(fused.shape)}",
+        )
     rel = relative_error(fused, eager)
     diff = (fused.detach().double() - eager.detach().double()).abs()
     max_abs = float(diff.max()) if diff.numel() else 0.0
     extra = f"max abs diff {max_abs:.3g}"
-    return Row(section, check, "rel diff fused-eager", None, rel, tol.rel, finite(fused) and rel <= tol.rel,
-               f"{notes}; {extra}" if notes else extra)
+    return Row(
+        section,
+        check,
+        "rel diff fused-eager",
+        None,
+        rel,
+        tol.rel,
+        finite(fused) and rel <= tol.rel,
+        f"{notes}; {extra}" if notes else extra,
+    )
 
 
 def per_expert_max_abs(fused_E: torch.Tensor, eager_E: torch.Tensor) -> list[float]:
@@ -115,7 +145,14 @@ def _tol_text(tol: Tolerance) -> str:
 
 
 def per_expert_row(
-    section: str, check: str, dw_e: torch.Tensor, dw_f: torch.Tensor, counts, tol: Tolerance, *, elementwise: bool = True
+    section: str,
+    check: str,
+    dw_e: torch.Tensor,
+    dw_f: torch.Tensor,
+    counts,
+    tol: Tolerance,
+    *,
+    elementwise: bool = True,
 ) -> Row:
     """The worst expert of an ``[E, ...]`` gradient, fused against eager.
 
@@ -129,7 +166,11 @@ def per_expert_row(
     if elementwise:
         bound = tol.atol + tol.rtol * e.abs()
         score_E = ((f - e).abs() / bound).reshape(num_experts, -1).amax(dim=1)
-        value, metric, limit = max(per_expert), "max abs diff fused-eager (max over experts)", f"rtol={tol.rtol:g} atol={tol.atol:g}"
+        value, metric, limit = (
+            max(per_expert),
+            "max abs diff fused-eager (max over experts)",
+            f"rtol={tol.rtol:g} atol={tol.atol:g}",
+        )
     else:
         diff_E = (f - e).reshape(num_experts, -1).norm(dim=1)
         ref_E = e.reshape(num_experts, -1).norm(dim=1)
@@ -139,11 +180,24 @@ def per_expert_row(
     worst = int(score_E.argmax())
     failing = [x for x in range(num_experts) if not score_E[x] <= 1.0]
     ok = finite(dw_f) and not failing
-    notes = "every expert bitwise identical" if max(per_expert) == 0.0 else f"worst expert {worst} ({int(counts[worst])} rows)"
+    notes = (
+        "every expert bitwise identical"
+        if max(per_expert) == 0.0
+        else f"worst expert {worst} ({int(counts[worst])} rows)"
+    )
     if failing:
         notes += f"; failing experts {failing}"
-    return Row(section, check, metric, None, value, limit, ok, notes,
-               details={"per_expert_max_abs": per_expert, "counts": [int(c) for c in counts], "worst_expert": worst})
+    return Row(
+        section,
+        check,
+        metric,
+        None,
+        value,
+        limit,
+        ok,
+        notes,
+        details={"per_expert_max_abs": per_expert, "counts": [int(c) for c in counts], "worst_expert": worst},
+    )
 
 
 def empty_zero_row(section: str, check: str, dw_e: torch.Tensor, dw_f: torch.Tensor, empty: list[int]) -> Row:

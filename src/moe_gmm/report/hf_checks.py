@@ -58,8 +58,18 @@ def _use(block, implementation: str):
 
 def hf_rows(report: Report, opts, device: torch.device, shape: ModelConfig) -> None:
     if importlib.util.find_spec("transformers") is None:
-        report.add(Row(_SEC, "Hugging Face block", "skipped", None, None, None, None,
-                       "transformers is not installed (pip install 'moe-gmm[hf]')"))
+        report.add(
+            Row(
+                _SEC,
+                "Hugging Face block",
+                "skipped",
+                None,
+                None,
+                None,
+                None,
+                "transformers is not installed (pip install 'moe-gmm[hf]')",
+            )
+        )
         return
     from moe_gmm.integrations.transformers import register_moe_gmm_experts
 
@@ -85,14 +95,19 @@ def hf_rows(report: Report, opts, device: torch.device, shape: ModelConfig) -> N
         outs[key], dxs[key] = y.detach(), x.grad
     # transformers' eager column is reported, not judged: its bf16 rounding is not this project's.
     ref_note = "reference: transformers' eager block in float64; only the fused column is judged"
-    report.add(rel_err_row(_SEC, "block output", outs["eager"], outs["fused"], outs["ref"], tol, ref_note,
-                           judge_eager=False))
+    report.add(
+        rel_err_row(_SEC, "block output", outs["eager"], outs["fused"], outs["ref"], tol, ref_note, judge_eager=False)
+    )
     report.add(rel_diff_row(_SEC, "block output", outs["eager"], outs["fused"], tol))
-    report.add(rel_err_row(_SEC, "grad_input", dxs["eager"], dxs["fused"], dxs["ref"], tol, ref_note,
-                           judge_eager=False))
+    report.add(
+        rel_err_row(_SEC, "grad_input", dxs["eager"], dxs["fused"], dxs["ref"], tol, ref_note, judge_eager=False)
+    )
     report.add(rel_diff_row(_SEC, "grad_input", dxs["eager"], dxs["fused"], tol))
     for pname in ("gate_up_proj", "down_proj"):
         g_e = getattr(blocks["eager"].experts, pname).grad
         g_f = getattr(blocks["fused"].experts, pname).grad
-        report.add(per_expert_row(_SEC, f"experts.{pname} grad per expert (HF layout)", g_e, g_f, counts, tol,
-                                  elementwise=False))
+        report.add(
+            per_expert_row(
+                _SEC, f"experts.{pname} grad per expert (HF layout)", g_e, g_f, counts, tol, elementwise=False
+            )
+        )

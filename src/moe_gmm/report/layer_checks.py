@@ -98,32 +98,89 @@ def _routing_rows(report: Report, block, x_TH, ids_Tk, probs_Tk, num_experts: in
     counts = torch.bincount(ids_Tk.flatten().cpu(), minlength=num_experts).tolist()
     mean = sum(counts) / num_experts
     empty = [e for e, c in enumerate(counts) if c == 0]
-    report.add(Row(_SEC_ROUTING, "tokens_per_expert load", "max / mean", max(counts) / mean, max(counts) / mean, None, None,
-                   f"min {min(counts)}, max {max(counts)}, mean {mean:.1f}; one router serves both paths",
-                   details={"counts": counts}))
-    report.add(Row(_SEC_ROUTING, "empty experts", "count", len(empty), len(empty), None, None,
-                   f"experts {empty}" if empty else "none"))
-    report.add(Row(_SEC_ROUTING, "tokens_per_expert sums to T*k", "sum", sum(counts), sum(counts), ids_Tk.numel(),
-                   sum(counts) == ids_Tk.numel()))
+    report.add(
+        Row(
+            _SEC_ROUTING,
+            "tokens_per_expert load",
+            "max / mean",
+            max(counts) / mean,
+            max(counts) / mean,
+            None,
+            None,
+            f"min {min(counts)}, max {max(counts)}, mean {mean:.1f}; one router serves both paths",
+            details={"counts": counts},
+        )
+    )
+    report.add(
+        Row(
+            _SEC_ROUTING,
+            "empty experts",
+            "count",
+            len(empty),
+            len(empty),
+            None,
+            None,
+            f"experts {empty}" if empty else "none",
+        )
+    )
+    report.add(
+        Row(
+            _SEC_ROUTING,
+            "tokens_per_expert sums to T*k",
+            "sum",
+            sum(counts),
+            sum(counts),
+            ids_Tk.numel(),
+            sum(counts) == ids_Tk.numel(),
+        )
+    )
     sums = probs_Tk.detach().double().sum(dim=-1)
     dev = float((sums - 1).abs().max())
     limit = 1e-5 if probs_Tk.dtype in (torch.float32, torch.float64) else tol.atol
-    report.add(Row(_SEC_ROUTING, "routing weights sum to 1 per token", "max |sum_k w - 1|", dev, dev, limit,
-                   dev <= limit, f"probs dtype {str(probs_Tk.dtype).removeprefix('torch.')}"))
+    report.add(
+        Row(
+            _SEC_ROUTING,
+            "routing weights sum to 1 per token",
+            "max |sum_k w - 1|",
+            dev,
+            dev,
+            limit,
+            dev <= limit,
+            f"probs dtype {str(probs_Tk.dtype).removeprefix('torch.')}",
+        )
+    )
     # Every (token, slot) copy must sit in the bucket of the expert it was routed to, and hold the token.
     permuted, row_id_map, tpe = permute(x_TH, ids_Tk, num_experts)
     ends = torch.cumsum(tpe, 0)
     expert_of_row = torch.bucketize(row_id_map, ends, right=True).view_as(ids_Tk)
     wrong_bucket = int((expert_of_row != ids_Tk).sum())
     wrong_rows = int((permuted.index_select(0, row_id_map).view(*ids_Tk.shape, -1) != x_TH.unsqueeze(1)).any(-1).sum())
-    report.add(Row(_SEC_ROUTING, "top-k ids consistent with permute/unpermute", "mismatched (token, slot) pairs",
-                   wrong_bucket + wrong_rows, wrong_bucket + wrong_rows, 0, wrong_bucket + wrong_rows == 0,
-                   f"{wrong_bucket} in the wrong expert bucket, {wrong_rows} holding the wrong token"))
+    report.add(
+        Row(
+            _SEC_ROUTING,
+            "top-k ids consistent with permute/unpermute",
+            "mismatched (token, slot) pairs",
+            wrong_bucket + wrong_rows,
+            wrong_bucket + wrong_rows,
+            0,
+            wrong_bucket + wrong_rows == 0,
+            f"{wrong_bucket} in the wrong expert bucket, {wrong_rows} holding the wrong token",
+        )
+    )
     back = unpermute(permuted, row_id_map, probs_Tk.to(x_TH.dtype))
     expect = x_TH.double() * probs_Tk.double().sum(-1, keepdim=True)
     diff = float((back.double() - expect).abs().max())
-    report.add(Row(_SEC_ROUTING, "unpermute(permute(x), probs) == x * sum(probs)", "max abs diff", diff, diff,
-                   tol.atol, diff <= tol.atol))
+    report.add(
+        Row(
+            _SEC_ROUTING,
+            "unpermute(permute(x), probs) == x * sum(probs)",
+            "max abs diff",
+            diff,
+            diff,
+            tol.atol,
+            diff <= tol.atol,
+        )
+    )
     return counts
 
 
@@ -132,7 +189,7 @@ def _shape_rows(report: Report, eager, fused, x_TH, ids_Tk, probs_Tk, shape: Mod
     R = T * k
     seen = {}
     for name, block, is_fused in (("eager", eager, False), ("fused", fused, True)):
-        gmm = dict(fused=is_fused, backend=backend if is_fused else None)
+        gmm = {"fused": is_fused, "backend": backend if is_fused else None}
         with torch.no_grad():
             permuted, row_id_map, tpe = permute(x_TH, ids_Tk, shape.num_experts)
             h = grouped_matmul(permuted, block.experts.gate_up_proj, tpe, **gmm)
@@ -164,9 +221,18 @@ def _grad_shape_row(report: Report, eager, fused) -> None:
             if param.grad is None or param.grad.shape != param.shape:
                 bad.append(f"{path}:{name}")
     gu = fused.experts.gate_up_proj
-    report.add(Row(_SEC_SHAPES, "grad shapes == parameter shapes (all block parameters)", "mismatches",
-                   len([b for b in bad if b.startswith("eager")]), len([b for b in bad if b.startswith("fused")]), 0,
-                   not bad, "; ".join(bad) if bad else f"gate_up_proj grad {tuple(gu.grad.shape)}"))
+    report.add(
+        Row(
+            _SEC_SHAPES,
+            "grad shapes == parameter shapes (all block parameters)",
+            "mismatches",
+            len([b for b in bad if b.startswith("eager")]),
+            len([b for b in bad if b.startswith("fused")]),
+            0,
+            not bad,
+            "; ".join(bad) if bad else f"gate_up_proj grad {tuple(gu.grad.shape)}",
+        )
+    )
 
 
 def _expert_grad_rows(report: Report, section: str, case: str, eager, fused, counts, tol) -> dict[str, list[float]]:
@@ -175,8 +241,9 @@ def _expert_grad_rows(report: Report, section: str, case: str, eager, fused, cou
     for pname in ("gate_up_proj", "down_proj"):
         g_e = getattr(eager.experts, pname).grad
         g_f = getattr(fused.experts, pname).grad
-        report.add(per_expert_row(section, f"{pname} grad per expert, {case}", g_e, g_f, counts, tol,
-                                  elementwise=False))
+        report.add(
+            per_expert_row(section, f"{pname} grad per expert, {case}", g_e, g_f, counts, tol, elementwise=False)
+        )
         if empty:
             report.add(empty_zero_row(section, f"{pname} grad of empty experts, {case}", g_e, g_f, empty))
         per_expert[pname] = per_expert_max_abs(g_f, g_e)
@@ -196,8 +263,17 @@ def layer_rows(report: Report, opts, device: torch.device, shape: ModelConfig) -
         _, probs_f, ids_f = fused.gate(x_TH)
         _, probs_e, ids_e = eager.gate(x_TH)
     same_ids = bool(torch.equal(ids_f, ids_e)) and bool(torch.equal(probs_f, probs_e))
-    report.add(Row(_SEC_ROUTING, "router gives identical ids and weights on both paths", "identical", str(same_ids),
-                   str(same_ids), "True", same_ids))
+    report.add(
+        Row(
+            _SEC_ROUTING,
+            "router gives identical ids and weights on both paths",
+            "identical",
+            str(same_ids),
+            str(same_ids),
+            "True",
+            same_ids,
+        )
+    )
     router_counts = _routing_rows(report, fused, x_TH, ids_f, probs_f, shape.num_experts, tol)
     _shape_rows(report, eager, fused, x_TH, ids_f, probs_f, shape, opts.backend)
 
@@ -205,8 +281,9 @@ def layer_rows(report: Report, opts, device: torch.device, shape: ModelConfig) -
     with torch.no_grad():
         out_e = eager.experts(x_TH, ids_f, probs_f.to(dtype))
         out_f = fused.experts(x_TH, ids_f, probs_f.to(dtype))
-    ref = _reference_experts(x_TH, ids_f, probs_f.to(dtype), fused.experts.gate_up_proj, fused.experts.down_proj,
-                             shape.num_experts)
+    ref = _reference_experts(
+        x_TH, ids_f, probs_f.to(dtype), fused.experts.gate_up_proj, fused.experts.down_proj, shape.num_experts
+    )
     report.add(rel_err_row(_SEC_EXPERTS, "routed-expert output", out_e, out_f, ref, tol))
     report.add(rel_diff_row(_SEC_EXPERTS, "routed-expert output", out_e, out_f, tol))
 
@@ -214,8 +291,17 @@ def layer_rows(report: Report, opts, device: torch.device, shape: ModelConfig) -
     with torch.no_grad():
         sh_e, sh_f = eager.shared_expert(x_TH), fused.shared_expert(x_TH)
     sh_diff = float((sh_e.double() - sh_f.double()).abs().max())
-    report.add(Row(_SEC_EXPERTS, "shared expert held fixed (same weights, same output)", "max abs diff", None, sh_diff,
-                   "exactly 0", sh_diff == 0.0 and finite(sh_f)))
+    report.add(
+        Row(
+            _SEC_EXPERTS,
+            "shared expert held fixed (same weights, same output)",
+            "max abs diff",
+            None,
+            sh_diff,
+            "exactly 0",
+            sh_diff == 0.0 and finite(sh_f),
+        )
+    )
     # The float64 reference needs only d(out)/dx: its parameters take no gradient (half the memory).
     reference = copy.deepcopy(eager).to(torch.float64).requires_grad_(False)
     outs, grads_x = {}, {}
@@ -225,11 +311,31 @@ def layer_rows(report: Report, opts, device: torch.device, shape: ModelConfig) -
         y.backward(gy_TH.to(y.dtype))
         outs[name], grads_x[name] = y.detach(), xg.grad
     del reference
-    report.add(rel_diff_row(_SEC_EXPERTS, "MoE block output (shared expert held fixed)", outs["eager"], outs["fused"], tol))
-    report.add(rel_err_row(_SEC_EXPERTS, "MoE block output", outs["eager"], outs["fused"], outs["ref"], tol,
-                           "reference: the eager block in float64"))
-    report.add(rel_err_row(_SEC_EXPERTS, "grad_input", grads_x["eager"], grads_x["fused"], grads_x["ref"], tol,
-                           "reference: the eager block in float64"))
+    report.add(
+        rel_diff_row(_SEC_EXPERTS, "MoE block output (shared expert held fixed)", outs["eager"], outs["fused"], tol)
+    )
+    report.add(
+        rel_err_row(
+            _SEC_EXPERTS,
+            "MoE block output",
+            outs["eager"],
+            outs["fused"],
+            outs["ref"],
+            tol,
+            "reference: the eager block in float64",
+        )
+    )
+    report.add(
+        rel_err_row(
+            _SEC_EXPERTS,
+            "grad_input",
+            grads_x["eager"],
+            grads_x["fused"],
+            grads_x["ref"],
+            tol,
+            "reference: the eager block in float64",
+        )
+    )
     report.add(rel_diff_row(_SEC_EXPERTS, "grad_input", grads_x["eager"], grads_x["fused"], tol))
     _expert_grad_rows(report, _SEC_EXPERTS, "router's choice", eager, fused, router_counts, tol)
     report.add(rel_diff_row(_SEC_EXPERTS, "router weight grad", eager.gate.weight.grad, fused.gate.weight.grad, tol))
@@ -276,8 +382,9 @@ def timing_rows(report: Report, opts, device: torch.device, shape: ModelConfig) 
             opt.step()
 
         steps[name] = step
-    times: dict[str, dict[str, float]] = {name: dict(measure_phases(fn, device, steps=profiled_steps))
-                                          for name, fn in steps.items()}
+    times: dict[str, dict[str, float]] = {
+        name: dict(measure_phases(fn, device, steps=profiled_steps)) for name, fn in steps.items()
+    }
     walls = median_step_ms(steps, device, warmup=warmup, repeats=repeats)
     spreads = {}
     for name, (median, spread) in walls.items():
@@ -285,7 +392,10 @@ def timing_rows(report: Report, opts, device: torch.device, shape: ModelConfig) 
         spreads[name] = spread
     labels = {
         "gmm": ("GMM time (the two expert matmuls, fwd+bwd)", "profiler: moe_gmm::grouped_matmul + its 2 backward ops"),
-        "permute/unpermute": ("permute/unpermute time (fwd+bwd)", "profiler: moe_gmm::permute/unpermute + autograd nodes"),
+        "permute/unpermute": (
+            "permute/unpermute time (fwd+bwd)",
+            "profiler: moe_gmm::permute/unpermute + autograd nodes",
+        ),
         "host": ("host time", "self time of moe_gmm ops/labels (Python, checks, dispatch) + .item() syncs"),
         "step": ("MoE block training step (fwd+bwd+SGD)", f"median of {repeats}, interleaved, no profiler"),
     }

@@ -108,9 +108,7 @@ def plot_loss_curves(losses: Mapping[str, Sequence[float]], path: str | Path) ->
     return _save(fig, path)
 
 
-def plot_bench_times(
-    series: Mapping[str, Sequence[tuple[float, float, float]]], path: str | Path, xlabel: str
-) -> Path:
+def plot_bench_times(series: Mapping[str, Sequence[tuple[float, float, float]]], path: str | Path, xlabel: str) -> Path:
     """Two scatter panels against ``x``: median ms, and achieved GFLOP/s; points are (x, ms, GFLOP/s).
 
     Cases of different shapes share an x value, so points are not joined by lines.

@@ -72,7 +72,6 @@ def wide_console():
 
 def render_terminal(report: Report, console=None) -> None:
     """Print one rich table per section, then a verdict line."""
-    from rich.console import Console
     from rich.table import Table
 
     console = console or wide_console()

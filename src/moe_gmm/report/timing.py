@@ -92,7 +92,7 @@ def measure_phases(step: Callable[[], None], device: torch.device, *, steps: int
 
     gmm_us = sum(kernel_us(k) for k in _GMM_KEYS)
     permute_us = 0.0
-    own_frames = [k for k in events if k.startswith("moe_gmm::") or k.startswith("moe::")]
+    own_frames = [k for k in events if k.startswith(("moe_gmm::", "moe::"))]
     for name in _PERMUTE_OPS:
         permute_us += kernel_us(f"moe_gmm::{name}")
         # The autograd node of a custom op is named GeneratedBackwardFor_<ns>_<op>_defaultBackward;

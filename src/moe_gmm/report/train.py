@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import math
 import os
 import statistics
 import time
@@ -188,8 +189,16 @@ class _Run:
 
 def _save(path: Path, model, opt, step: int, losses: list[float], step_ms: list[float]) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "losses": losses,
-                "step_ms": step_ms}, tmp)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "step": step,
+            "losses": losses,
+            "step_ms": step_ms,
+        },
+        tmp,
+    )
     os.replace(tmp, path)  # never leave a half-written checkpoint behind
 
 
@@ -207,7 +216,9 @@ def _run_path(run: _Run, path: str, steps: int, resume: bool, progress, profile_
         opt.load_state_dict(state["optimizer"])
         losses, step_ms = list(state["losses"]), list(state["step_ms"])
         if len(losses) >= steps:
-            raise TrainUsageError(f"--resume: checkpoint {ckpt_path} is already at step {len(losses)} >= --steps {steps}")
+            raise TrainUsageError(
+                f"--resume: checkpoint {ckpt_path} is already at step {len(losses)} >= --steps {steps}"
+            )
     task = progress.add_task(f"train {path}", total=steps, completed=len(losses))
     every = run.cfg.training.checkpoint_every
     for step in range(len(losses) + 1, steps + 1):
@@ -326,31 +337,70 @@ def _report(cfg: RunConfig, losses, step_ms, phases, dtype, world: int) -> tuple
     tol = tolerance_for(dtype)
     report = Report(
         title="moe-gmm train: fused vs eager loss alignment",
-        meta={"model": cfg.model.model_id, "dtype": cfg.dtype, "device": cfg.device, "seed": cfg.seed,
-              "steps": len(next(iter(losses.values()))), "E": cfg.model.num_experts, "top_k": cfg.model.num_experts_per_tok,
-              "layers": cfg.model.num_hidden_layers, "expert_parallel_size": world, "torch": torch.__version__},
+        meta={
+            "model": cfg.model.model_id,
+            "dtype": cfg.dtype,
+            "device": cfg.device,
+            "seed": cfg.seed,
+            "steps": len(next(iter(losses.values()))),
+            "E": cfg.model.num_experts,
+            "top_k": cfg.model.num_experts_per_tok,
+            "layers": cfg.model.num_hidden_layers,
+            "expert_parallel_size": world,
+            "torch": torch.__version__,
+        },
     )
     sec = "loss"
-    get = lambda p, i: losses[p][i] if p in losses else None  # noqa: E731
+    get = lambda p, i: losses[p][i] if p in losses else None
     report.add(Row(sec, "first loss", "loss", get("eager", 0), get("fused", 0), None, None))
     report.add(Row(sec, "final loss", "loss", get("eager", -1), get("fused", -1), None, None))
     for p in losses:
         falling = losses[p][-1] < losses[p][0]
-        report.add(Row(sec, f"loss decreases ({p})", "final < first", losses[p][0], losses[p][-1], None,
-                       falling and all(map(_finite, losses[p])), "eager column: first loss, fused column: final loss"))
+        report.add(
+            Row(
+                sec,
+                f"loss decreases ({p})",
+                "final < first",
+                losses[p][0],
+                losses[p][-1],
+                None,
+                falling and all(map(_finite, losses[p])),
+                "eager column: first loss, fused column: final loss",
+            )
+        )
     max_diff = None
     if "fused" in losses and "eager" in losses:
         diffs = [abs(f - e) for f, e in zip(losses["fused"], losses["eager"])]
         bounds = [tol.atol + tol.rtol * abs(e) for e in losses["eager"]]
         worst = max(range(len(diffs)), key=lambda i: diffs[i] / bounds[i])
         max_diff = max(diffs)
-        report.add(Row(sec, "max |loss_fused - loss_eager| over steps", "abs diff", None, max_diff,
-                       f"rtol={tol.rtol:g} atol={tol.atol:g}", all(d <= b for d, b in zip(diffs, bounds)),
-                       f"worst step {worst + 1}; per-step values in losses.csv", details={"per_step": diffs}))
+        report.add(
+            Row(
+                sec,
+                "max |loss_fused - loss_eager| over steps",
+                "abs diff",
+                None,
+                max_diff,
+                f"rtol={tol.rtol:g} atol={tol.atol:g}",
+                all(d <= b for d, b in zip(diffs, bounds)),
+                f"worst step {worst + 1}; per-step values in losses.csv",
+                details={"per_step": diffs},
+            )
+        )
     sec = "time (ms per step)"
-    get_ms = lambda p: statistics.median(step_ms[p]) if p in step_ms else None  # noqa: E731
-    report.add(Row(sec, "training step (median)", "ms", get_ms("eager"), get_ms("fused"), None, None,
-                   "whole model: forward, loss, backward, clip, AdamW"))
+    get_ms = lambda p: statistics.median(step_ms[p]) if p in step_ms else None
+    report.add(
+        Row(
+            sec,
+            "training step (median)",
+            "ms",
+            get_ms("eager"),
+            get_ms("fused"),
+            None,
+            None,
+            "whole model: forward, loss, backward, clip, AdamW",
+        )
+    )
     notes = {
         "gmm": "the two expert matmuls of every MoE layer, fwd+bwd",
         "permute/unpermute": "token permute/unpermute of every MoE layer, fwd+bwd",
@@ -358,10 +408,20 @@ def _report(cfg: RunConfig, losses, step_ms, phases, dtype, world: int) -> tuple
     }
     for key, note in notes.items():
         if any(key in ph for ph in phases.values()):
-            report.add(Row(sec, f"{key} (profiler, per step)", "ms", phases.get("eager", {}).get(key),
-                           phases.get("fused", {}).get(key), None, None, note))
+            report.add(
+                Row(
+                    sec,
+                    f"{key} (profiler, per step)",
+                    "ms",
+                    phases.get("eager", {}).get(key),
+                    phases.get("fused", {}).get(key),
+                    None,
+                    None,
+                    note,
+                )
+            )
     return report, max_diff
 
 
 def _finite(v: float) -> bool:
-    return v == v and abs(v) != float("inf")
+    return math.isfinite(v)

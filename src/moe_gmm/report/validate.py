@@ -54,11 +54,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
     "qwen3_5_35b_layer": ModelConfig(
-        hidden_size=2048, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        hidden_size=2048,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
         shared_expert_intermediate_size=512,
     ),
     "qwen3_5_397b_layer": ModelConfig(
-        hidden_size=4096, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=1024,
+        hidden_size=4096,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=1024,
         shared_expert_intermediate_size=1024,
     ),
 }
@@ -116,8 +122,10 @@ def _check_options(opts: ValidateOptions) -> torch.device:
 def _fused_backend_names(opts: ValidateOptions, device: torch.device, shape: ModelConfig) -> str:
     """The backend(s) the fused path picks for the gate_up ([H, 2I]) and down ([I, H]) matmuls."""
     names = []
-    for k_dim, n_dim in ((shape.hidden_size, 2 * shape.moe_intermediate_size),
-                         (shape.moe_intermediate_size, shape.hidden_size)):
+    for k_dim, n_dim in (
+        (shape.hidden_size, 2 * shape.moe_intermediate_size),
+        (shape.moe_intermediate_size, shape.hidden_size),
+    ):
         x = torch.empty(1, k_dim, dtype=opts.torch_dtype, device=device)
         w = torch.empty(1, k_dim, n_dim, dtype=opts.torch_dtype, device=device)
         name = select_backend(x, w, opts.backend).name
@@ -151,7 +159,13 @@ def gmm_rows(report: Report, opts: ValidateOptions, device: torch.device, shape:
         counts = group_counts(num_rows, shape.num_experts, routing, generator=g)
         # The uneven case also reads the weight through a transposed view (the HF layout).
         x, w, group_list = gmm_inputs(
-            counts, k_dim, n_dim, dtype, device=device, transposed_weight=routing == "uneven", seed=opts.seed + 10 + case_index
+            counts,
+            k_dim,
+            n_dim,
+            dtype,
+            device=device,
+            transposed_weight=routing == "uneven",
+            seed=opts.seed + 10 + case_index,
         )
         dy = torch.randn(num_rows, n_dim, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
         y_e, dx_e, dw_e = _run_gmm(x, w, group_list, dy, fused=False, backend=None)
@@ -248,4 +262,3 @@ def _write_plots(out: Path, gmm_plot: dict, layer_plot: dict, times: dict, tol) 
             layer_plot["router_counts"], out / "tokens_per_expert.png", "tokens per expert (router of the MoE block)"
         )
     return files
-
