@@ -147,11 +147,15 @@ def _unpermute_grads(ctx, grad_out_TH):
     acc = _acc_dtype(expert_out_RH.dtype)
     grad_expert_out = grad_probs = None
     if ctx.needs_input_grad[0]:
-        # d expert_out[row_id_map[t*k+j]] = probs[t, j] * grad_out[t]; row_id_map is a permutation,
-        # so the scatter writes every row exactly once (no accumulation, deterministic).
-        flat_RH = (grad_out_TH.to(acc).unsqueeze(1) * probs_Tk.to(acc).unsqueeze(-1)).reshape(-1, hidden)
-        grad_expert_out = torch.empty_like(expert_out_RH)
-        grad_expert_out[row_id_map_R] = flat_RH.to(expert_out_RH.dtype)
+        # d expert_out[row_id_map[t*k+j]] = probs[t, j] * grad_out[t], computed in row order: invert
+        # the permutation (a scatter of R ints, each written once), then gather whole rows of
+        # grad_out. Gathering rows is about 10x faster on CPU than scattering [T*k, H] rows.
+        order_R = torch.empty_like(row_id_map_R)
+        order_R[row_id_map_R] = torch.arange(row_id_map_R.numel(), device=row_id_map_R.device)
+        token_of_row_R = torch.div(order_R, top_k, rounding_mode="floor")
+        grad_RH = grad_out_TH.index_select(0, token_of_row_R).to(acc)
+        grad_RH = grad_RH * probs_Tk.reshape(-1).index_select(0, order_R).to(acc).unsqueeze(-1)
+        grad_expert_out = grad_RH.to(expert_out_RH.dtype)
     if ctx.needs_input_grad[2]:
         # d probs[t, j] = <grad_out[t], expert_out[row_id_map[t*k+j]]>, reduced over H in float32.
         gathered_TkH = expert_out_RH.index_select(0, row_id_map_R).view(num_tokens, top_k, hidden).to(acc)
