@@ -7,6 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from moe_gmm.bench import moe_layer
 from moe_gmm.bench.harness import TimingSettings, run_benchmark
 from moe_gmm.bench.machine import Limits, describe_machine
 from moe_gmm.bench.moe_layer import IMPLS, PHASES, MoeLayerCase, case_set, layer_impls, profile_breakdown
@@ -49,3 +50,18 @@ def test_case_sets_and_impl_names():
         layer_impls(["nope"])
     with pytest.raises(ValueError, match="case set"):
         case_set("huge")
+
+
+def test_runner_writes_json_and_markdown(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr(moe_layer, "measure_limits", lambda dtypes, quick=False: LIMITS)  # skip the calibration
+    out, md = tmp_path / "moe_layer.json", tmp_path / "moe_layer.md"
+    argv = ["--cases", "tiny", "--dtype", "fp32", "--modes", "fwd,fwdbwd", "--repeats", "1", "--breakdown-steps", "1"]
+    assert moe_layer.main([*argv, "--no-progress", "--out", str(out), "--markdown", str(md)]) == 0
+    data = json.loads(out.read_text())
+    assert {r["impl"] for r in data["rows"]} == {"hf_eager", "hf_grouped_mm", "hf_moe_gmm", "moe_gmm"}
+    assert all(r["rel_err"] < 1e-5 for r in data["rows"])
+    assert data["breakdown"][0]["ms_per_step"]["fwd"]["gmm"] > 0
+    text = md.read_text()
+    assert "moe_gmm time by phase" in text and "| gmm |" in text

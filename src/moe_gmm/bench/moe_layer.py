@@ -204,7 +204,10 @@ def layer_impls(names: list[str] | None = None) -> list[Impl]:
 
 
 def case_set(name: str) -> list[MoeLayerCase]:
-    """``quick``: a scaled-down block (under a minute on two cores); ``qwen``: issue-3 proportions."""
+    """``tiny``: a smoke test; ``quick``: a scaled-down block (under a minute on two cores);
+    ``qwen``: Qwen3.5-MoE proportions (hidden 2048, intermediate 512, top-8, E 64/256, T 1024/4096)."""
+    if name == "tiny":
+        return [MoeLayerCase(num_experts=4, num_tokens=8, top_k=2, hidden=16, intermediate=8, shared_intermediate=8)]
     if name == "quick":
         return [MoeLayerCase(num_experts=32, num_tokens=256, hidden=512, intermediate=128, shared_intermediate=128)]
     if name == "qwen":
@@ -212,7 +215,7 @@ def case_set(name: str) -> list[MoeLayerCase]:
     raise ValueError(f"case set must be one of {CASE_SETS}, got {name!r}")
 
 
-CASE_SETS = ("quick", "qwen")
+CASE_SETS = ("tiny", "quick", "qwen")
 
 # Forward phases are the layer's own labels; backward phases are our autograd labels and the
 # grouped matmul's grad ops (each custom op is one profiler event).
