@@ -221,6 +221,7 @@ def run_validation(opts: ValidateOptions, out_dir: str | Path | None = None, pro
             "seed": opts.seed,
             "quick": opts.quick,
             "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
         },
     )
     say = progress or (lambda _msg: None)
