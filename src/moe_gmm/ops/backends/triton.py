@@ -105,6 +105,12 @@ def _fit(block: int, dim: int) -> int:
     return max(16, min(block, _next_pow2(dim)))
 
 
+def _warps(cfg: TileConfig, rows: int, cols: int) -> int:
+    """The configured warps for full-size tiles; 4 for tiles shrunk to a small problem (fewer MMA
+    tiles than warps otherwise)."""
+    return cfg.num_warps if rows * cols >= 64 * 128 else min(cfg.num_warps, 4)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -164,7 +170,7 @@ def launch_gmm(
         E_POW2=max(32, _next_pow2(num_experts)), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_M=cfg.group_m, GATHER_X=x_rows is not None, SCATTER_Y=out_rows is not None,
         SCALE_Y=row_scale is not None, UPCAST=_upcast(x.dtype), INPUT_PRECISION=_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=_warps(cfg, block_m, block_n), num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -200,7 +206,7 @@ def launch_gmm_wgrad(
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_N=block_n,
         GATHER_X=x_rows is not None, GATHER_DY=dy_rows is not None, SCALE_DY=dy_scale is not None,
         UPCAST=_upcast(x.dtype), INPUT_PRECISION=_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=_warps(cfg, block_k, block_n), num_stages=cfg.num_stages,
     )  # fmt: skip
     return dw_EKN
 
