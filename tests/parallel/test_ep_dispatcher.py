@@ -25,6 +25,7 @@ pytestmark = pytest.mark.distributed
 
 HIDDEN, INTER = 8, 4
 LIMIT = 1e-5  # fp32 relative-norm error
+BF16_LIMIT = 1e-2
 
 ROUTINGS = {
     "random": "distinct experts, uniform",
@@ -65,14 +66,14 @@ def _case_inputs(seed, ep, num_experts, top_k, routing):
     )
 
 
-def _run(inputs, dispatcher=None, rows=slice(None), experts=slice(None)):
+def _run(inputs, dispatcher=None, rows=slice(None), experts=slice(None), dtype=torch.float32):
     """One forward + backward; ``dispatcher=None`` is the single-process reference."""
-    hidden = inputs["hidden"][rows].clone().requires_grad_(True)
+    hidden = inputs["hidden"][rows].to(dtype).requires_grad_(True)
     logits = inputs["logits"][rows].clone().requires_grad_(True)
     ids = inputs["ids"][rows]
-    gate_up = inputs["gate_up"][experts].clone().requires_grad_(True)
-    down = inputs["down"][experts].clone().requires_grad_(True)
-    probs = torch.softmax(logits, dim=-1).gather(1, ids)  # the router's differentiable part
+    gate_up = inputs["gate_up"][experts].to(dtype).requires_grad_(True)
+    down = inputs["down"][experts].to(dtype).requires_grad_(True)
+    probs = torch.softmax(logits, dim=-1).gather(1, ids).to(dtype)  # the router's differentiable part
 
     def experts_fn(x, group_list):
         return expert_mlp(x, group_list, gate_up, down)
@@ -82,7 +83,7 @@ def _run(inputs, dispatcher=None, rows=slice(None), experts=slice(None)):
         out = unpermute(experts_fn(x, counts), row_map, probs)
     else:
         out = dispatcher(hidden, ids, probs, experts_fn)
-    (out * inputs["grad_out"][rows]).sum().backward()
+    (out * inputs["grad_out"][rows].to(dtype)).sum().backward()
     return {"out": out.detach(), "hidden": hidden.grad, "logits": logits.grad,
             "gate_up": gate_up.grad, "down": down.grad}
 
@@ -112,6 +113,14 @@ def _dispatch_worker(rank: int, ep: int, cases: list) -> list:
             entry[f"overlap{chunks}"] = {k: relative_error(ovl[k], ref_local[k]) for k in ref_local}
             entry[f"overlap{chunks}_vs_alltoall"] = {k: relative_error(ovl[k], a2a[k]) for k in a2a}
             entry[f"overlap{chunks}_out_bitwise"] = torch.equal(ovl["out"], a2a["out"])
+        if i == 0:  # bf16 rows travel as bf16; same math per row as the single-process bf16 run
+            ref16 = _run(inputs, dtype=torch.bfloat16)
+            ref16 = {"out": ref16["out"][rows], "hidden": ref16["hidden"][rows], "logits": ref16["logits"][rows],
+                     "gate_up": ref16["gate_up"][experts], "down": ref16["down"][experts]}
+            for name, disp in (("bf16_alltoall", AllToAllDispatcher(num_experts)),
+                               ("bf16_overlap2", OverlappedAllToAllDispatcher(num_experts, num_chunks=2))):
+                got = _run(inputs, disp, rows, experts, dtype=torch.bfloat16)
+                entry[name] = {k: relative_error(got[k], ref16[k]) for k in ref16}
         report.append(entry)
     return report
 
@@ -132,9 +141,11 @@ def test_dispatchers_equal_single_process(ep):
     for rank_report in reports:
         for entry in rank_report:
             where = f"EP={ep} rank {entry['rank']} E,k,routing={entry['case']}"
-            for key in [k for k in entry if k.startswith(("alltoall", "overlap")) and not k.endswith("bitwise")]:
+            for key in [k for k in entry if k.startswith(("alltoall", "overlap", "bf16")) and not k.endswith("bitwise")]:
+                limit = BF16_LIMIT if key.startswith("bf16") else LIMIT
                 for tensor, err in entry[key].items():
-                    assert err < LIMIT, f"{where}: {key} {tensor} relative error {err:.2e}"
+                    assert err < limit, f"{where}: {key} {tensor} relative error {err:.2e}"
             assert entry["zero_grad_ok"], f"{where}: a shard that received nothing has non-zero gradients"
             receivers_empty += entry["received_rows"] == 0
     assert receivers_empty > 0  # the cases did include ranks whose experts receive nothing
+    assert all("bf16_alltoall" in r[0] for r in reports)
