@@ -143,15 +143,17 @@ def _training(rank: int, ep: int, dispatcher: str, steps: int = 3) -> dict[str, 
     return errs
 
 
-def _model_worker(rank: int, ep: int) -> dict:
+def _model_worker(rank: int, ep: int, train: bool) -> dict:
     torch.use_deterministic_algorithms(True)
-    return {
+    report = {
         "setup_errors": _setup_errors(rank, ep),
         "equal_alltoall": _equality(rank, ep, "alltoall"),
         "equal_overlap": _equality(rank, ep, "alltoall_overlap"),
-        "train_alltoall": _training(rank, ep, "alltoall"),
-        "train_overlap": _training(rank, ep, "alltoall_overlap"),
     }
+    if train:
+        report["train_alltoall"] = _training(rank, ep, "alltoall")
+        report["train_overlap"] = _training(rank, ep, "alltoall_overlap")
+    return report
 
 
 EXPECTED_SETUP_ERRORS = {
@@ -167,16 +169,17 @@ EXPECTED_SETUP_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_expert_parallel_model(ep):
-    for rank, report in enumerate(run_ranks(_model_worker, ep, timeout_s=150)):
+@pytest.mark.parametrize(("ep", "train"), [(2, True), (4, False)])  # training steps at EP 2 (the gradient
+def test_expert_parallel_model(ep, train):  # scaling is EP-size generic and covered by the EP-4 equality)
+    for rank, report in enumerate(run_ranks(_model_worker, ep, train, timeout_s=150)):
         for case, needle in EXPECTED_SETUP_ERRORS.items():
             assert needle in report["setup_errors"][case], f"rank {rank} {case}: {report['setup_errors'][case]}"
-        for section in ("equal_alltoall", "equal_overlap", "train_alltoall", "train_overlap"):
+        sections = ("equal_alltoall", "equal_overlap") + (("train_alltoall", "train_overlap") if train else ())
+        for section in sections:
             if section.startswith("train"):
                 assert report[section].pop("min_move") > 1e-4, "training did not move some parameter"
             for name, err in report[section].items():
                 assert err < LIMIT, f"EP={ep} rank {rank} {section} {name}: relative error {err:.2e}"
         # the router and shared expert are checked too, not only the experts
         assert any(".gate.weight" in n for n in report["equal_alltoall"])
-        assert any("shared_expert" in n for n in report["train_alltoall"])
+        assert any("shared_expert" in n for n in report["equal_overlap"])
