@@ -17,7 +17,10 @@ profiler recorded any, and ``host`` stays CPU time.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -65,6 +68,30 @@ def median_step_ms(
     return {name: (statistics.median(v), max(v) - min(v)) for name, v in samples.items()}
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """Drop what is written to file descriptor 2 meanwhile (only around profiler start/stop).
+
+    Workaround: the CPU profiler backend prints ``USDT: ... profiler_start/stop`` lines straight to
+    fd 2 every time it starts and stops, which would interleave with the progress and the table.
+    Exceptions still propagate; only text printed during those two calls is lost.
+    """
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no usable fd 2 (an embedded interpreter): nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _activities(device: torch.device) -> list[ProfilerActivity]:
     acts = [ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -76,11 +103,17 @@ def measure_phases(step: Callable[[], None], device: torch.device, *, steps: int
     """Run ``step`` ``steps`` times under the profiler and return per-step phase times in ms."""
     step()  # warm-up outside the profile (first-call allocation and op registration)
     synchronize(device)
-    with profile(activities=_activities(device)) as prof:
+    prof = profile(activities=_activities(device))
+    with _native_stderr_silenced():
+        prof.start()
+    try:
         for _ in range(steps):
             with record_function(STEP_LABEL):
                 step()
         synchronize(device)
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
     events = {e.key: e for e in prof.key_averages()}
 
     def kernel_us(key: str) -> float:
