@@ -62,8 +62,9 @@ def main() -> None:
     torch.set_num_threads(1)
 
     model = build_model(seed=0)
-    plan = EPPlan(expert_parallel_size=world, apply_modules=["model.layers.{*}.mlp.experts"],
-                  dispatcher=args.dispatcher)
+    plan = EPPlan(
+        expert_parallel_size=world, apply_modules=["model.layers.{*}.mlp.experts"], dispatcher=args.dispatcher
+    )
     sharded = apply_expert_parallel(model, dist.group.WORLD, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built after sharding
     replica = build_model(seed=0) if (args.check and rank == 0) else None
@@ -89,8 +90,10 @@ def main() -> None:
             ref_loss = replica(input_ids=ids, labels=ids).loss
             ref_loss.backward()
             replica_opt.step()
-            print(f"step {step}: loss {mean_loss.item():.6f} (single process {ref_loss.item():.6f}, "
-                  f"|diff| {abs(mean_loss.item() - ref_loss.item()):.2e})")
+            print(
+                f"step {step}: loss {mean_loss.item():.6f} (single process {ref_loss.item():.6f}, "
+                f"|diff| {abs(mean_loss.item() - ref_loss.item()):.2e})"
+            )
         elif rank == 0:
             print(f"step {step}: loss {mean_loss.item():.6f}")
 
@@ -105,10 +108,11 @@ def main() -> None:
             load_ep_checkpoint(plain, box[0])  # EP=1: the whole experts tensors
             shard = model.model.layers[0].mlp.experts.gate_up_proj
             same = torch.equal(plain.model.layers[0].mlp.experts.gate_up_proj[: shard.shape[0]], shard)
-            max_diff = max((p - q).abs().max().item()
-                           for p, q in zip(plain.parameters(), replica.parameters()))
-            print(f"reloaded at EP=1: rank 0's experts bitwise equal: {same}; "
-                  f"max |param - single-process param|: {max_diff:.2e}")
+            max_diff = max((p - q).abs().max().item() for p, q in zip(plain.parameters(), replica.parameters()))
+            print(
+                f"reloaded at EP=1: rank 0's experts bitwise equal: {same}; "
+                f"max |param - single-process param|: {max_diff:.2e}"
+            )
     dist.destroy_process_group()
 
 

@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from moe_gmm.parallel.comm import CollectiveError, all_to_all, all_to_all_async, exchange_counts
 from moe_gmm.parallel.launch import RankFailure, run_ranks
@@ -108,7 +107,9 @@ def _fault_worker(rank: int, world: int, fault: str, pg_timeout_s: float) -> dic
 def test_dead_or_hung_peer_gives_clear_error_within_timeout(fault):
     pg_timeout_s = 2.0
     try:
-        results = run_ranks(_fault_worker, 2, fault, pg_timeout_s, timeout_s=25, pg_timeout_s=pg_timeout_s, may_exit=[1])
+        results = run_ranks(
+            _fault_worker, 2, fault, pg_timeout_s, timeout_s=25, pg_timeout_s=pg_timeout_s, may_exit=[1]
+        )
     except RankFailure as failure:  # the hung rank may fail its teardown after rank 0 left
         results = failure.results
         assert 0 in results, str(failure)

@@ -55,15 +55,15 @@ def _case_inputs(seed, ep, num_experts, top_k, routing):
     if routing == "no_tokens":
         tokens[1] = 0
     total = sum(tokens)
-    return dict(
-        tokens=tokens,
-        hidden=torch.randn(total, HIDDEN, generator=g),
-        logits=torch.randn(total, num_experts, generator=g),
-        ids=_global_ids(routing, total, top_k, num_experts, ep, g),
-        gate_up=torch.randn(num_experts, HIDDEN, 2 * INTER, generator=g) / HIDDEN**0.5,
-        down=torch.randn(num_experts, INTER, HIDDEN, generator=g) / INTER**0.5,
-        grad_out=torch.randn(total, HIDDEN, generator=g),
-    )
+    return {
+        "tokens": tokens,
+        "hidden": torch.randn(total, HIDDEN, generator=g),
+        "logits": torch.randn(total, num_experts, generator=g),
+        "ids": _global_ids(routing, total, top_k, num_experts, ep, g),
+        "gate_up": torch.randn(num_experts, HIDDEN, 2 * INTER, generator=g) / HIDDEN**0.5,
+        "down": torch.randn(num_experts, INTER, HIDDEN, generator=g) / INTER**0.5,
+        "grad_out": torch.randn(total, HIDDEN, generator=g),
+    }
 
 
 def _run(inputs, dispatcher=None, rows=slice(None), experts=slice(None), dtype=torch.float32):
@@ -84,8 +84,13 @@ def _run(inputs, dispatcher=None, rows=slice(None), experts=slice(None), dtype=t
     else:
         out = dispatcher(hidden, ids, probs, experts_fn)
     (out * inputs["grad_out"][rows].to(dtype)).sum().backward()
-    return {"out": out.detach(), "hidden": hidden.grad, "logits": logits.grad,
-            "gate_up": gate_up.grad, "down": down.grad}
+    return {
+        "out": out.detach(),
+        "hidden": hidden.grad,
+        "logits": logits.grad,
+        "gate_up": gate_up.grad,
+        "down": down.grad,
+    }
 
 
 def _dispatch_worker(rank: int, ep: int, cases: list) -> list:
@@ -97,17 +102,20 @@ def _dispatch_worker(rank: int, ep: int, cases: list) -> list:
         rows = slice(lo, lo + inputs["tokens"][rank])
         local = num_experts // ep
         experts = slice(rank * local, (rank + 1) * local)
-        ref_local = {"out": ref["out"][rows], "hidden": ref["hidden"][rows], "logits": ref["logits"][rows],
-                     "gate_up": ref["gate_up"][experts], "down": ref["down"][experts]}
+        ref_local = {
+            "out": ref["out"][rows],
+            "hidden": ref["hidden"][rows],
+            "logits": ref["logits"][rows],
+            "gate_up": ref["gate_up"][experts],
+            "down": ref["down"][experts],
+        }
         a2a = _run(inputs, AllToAllDispatcher(num_experts), rows, experts)
         entry = {"case": (num_experts, top_k, routing), "rank": rank}
         entry["alltoall"] = {k: relative_error(a2a[k], ref_local[k]) for k in ref_local}
         # Expert shards that receive no rows must get exact zero gradients, not None.
         received = int((inputs["ids"] // local == rank).sum())
         entry["received_rows"] = received
-        entry["zero_grad_ok"] = received > 0 or (
-            bool(a2a["gate_up"].eq(0).all()) and bool(a2a["down"].eq(0).all())
-        )
+        entry["zero_grad_ok"] = received > 0 or (bool(a2a["gate_up"].eq(0).all()) and bool(a2a["down"].eq(0).all()))
         for chunks in (2, 3) if i % 2 else (2,):
             ovl = _run(inputs, OverlappedAllToAllDispatcher(num_experts, num_chunks=chunks), rows, experts)
             entry[f"overlap{chunks}"] = {k: relative_error(ovl[k], ref_local[k]) for k in ref_local}
@@ -115,10 +123,17 @@ def _dispatch_worker(rank: int, ep: int, cases: list) -> list:
             entry[f"overlap{chunks}_out_bitwise"] = torch.equal(ovl["out"], a2a["out"])
         if i == 0:  # bf16 rows travel as bf16; same math per row as the single-process bf16 run
             ref16 = _run(inputs, dtype=torch.bfloat16)
-            ref16 = {"out": ref16["out"][rows], "hidden": ref16["hidden"][rows], "logits": ref16["logits"][rows],
-                     "gate_up": ref16["gate_up"][experts], "down": ref16["down"][experts]}
-            for name, disp in (("bf16_alltoall", AllToAllDispatcher(num_experts)),
-                               ("bf16_overlap2", OverlappedAllToAllDispatcher(num_experts, num_chunks=2))):
+            ref16 = {
+                "out": ref16["out"][rows],
+                "hidden": ref16["hidden"][rows],
+                "logits": ref16["logits"][rows],
+                "gate_up": ref16["gate_up"][experts],
+                "down": ref16["down"][experts],
+            }
+            for name, disp in (
+                ("bf16_alltoall", AllToAllDispatcher(num_experts)),
+                ("bf16_overlap2", OverlappedAllToAllDispatcher(num_experts, num_chunks=2)),
+            ):
                 got = _run(inputs, disp, rows, experts, dtype=torch.bfloat16)
                 entry[name] = {k: relative_error(got[k], ref16[k]) for k in ref16}
         report.append(entry)
@@ -141,7 +156,9 @@ def test_dispatchers_equal_single_process(ep):
     for rank_report in reports:
         for entry in rank_report:
             where = f"EP={ep} rank {entry['rank']} E,k,routing={entry['case']}"
-            for key in [k for k in entry if k.startswith(("alltoall", "overlap", "bf16")) and not k.endswith("bitwise")]:
+            for key in [
+                k for k in entry if k.startswith(("alltoall", "overlap", "bf16")) and not k.endswith("bitwise")
+            ]:
                 limit = BF16_LIMIT if key.startswith("bf16") else LIMIT
                 for tensor, err in entry[key].items():
                     assert err < limit, f"{where}: {key} {tensor} relative error {err:.2e}"

@@ -13,11 +13,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moe_gmm.integrations.transformers import register_moe_gmm_experts  # noqa: E402
-from moe_gmm.parallel import EPPlan, apply_expert_parallel, sync_gradients  # noqa: E402
-from moe_gmm.parallel.checkpoint import save_ep_checkpoint  # noqa: E402
-from moe_gmm.parallel.launch import run_ranks  # noqa: E402
-from moe_gmm.testing import relative_error  # noqa: E402
+from moe_gmm.integrations.transformers import register_moe_gmm_experts
+from moe_gmm.parallel import EPPlan, apply_expert_parallel, sync_gradients
+from moe_gmm.parallel.checkpoint import save_ep_checkpoint
+from moe_gmm.parallel.launch import run_ranks
+from moe_gmm.testing import relative_error
 
 pytestmark = pytest.mark.distributed
 

@@ -27,8 +27,13 @@ class TinyMoeStack(nn.Module):
 
     def __init__(self, num_experts: int = 8, top_k: int = 2, num_layers: int = 2, hidden: int = 16):
         super().__init__()
-        cfg = MoeBlockConfig(hidden_size=hidden, num_experts=num_experts, num_experts_per_tok=top_k,
-                             moe_intermediate_size=8, shared_expert_intermediate_size=8)
+        cfg = MoeBlockConfig(
+            hidden_size=hidden,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=8,
+        )
         self.layers = nn.ModuleList(nn.ModuleDict({"mlp": SparseMoeBlock(cfg)}) for _ in range(num_layers))
         self.dense = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
 
@@ -113,8 +118,9 @@ def _training(rank: int, ep: int, dispatcher: str, steps: int = 3) -> dict[str, 
     """Mean loss, SGD with momentum: 3 EP steps == 3 single-process steps on the concatenated batches."""
     g = torch.Generator().manual_seed(3)
     per_rank = 8
-    batches = [(torch.randn(ep * per_rank, 16, generator=g), torch.randn(ep * per_rank, 16, generator=g))
-               for _ in range(steps)]
+    batches = [
+        (torch.randn(ep * per_rank, 16, generator=g), torch.randn(ep * per_rank, 16, generator=g)) for _ in range(steps)
+    ]
     ref_model = _model(seed=4)
     model = copy.deepcopy(ref_model)
     apply_expert_parallel(model, None, EPPlan(ep, [PATTERN], dispatcher))

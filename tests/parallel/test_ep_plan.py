@@ -119,7 +119,7 @@ def test_plan_validation():
 
 
 def test_plan_from_reference_config_mapping_and_dataclass():
-    from moe_gmm.config import ParallelConfig, EPPlanConfig
+    from moe_gmm.config import EPPlanConfig, ParallelConfig
 
     section = {
         "expert_parallel_size": 16,
@@ -127,7 +127,9 @@ def test_plan_from_reference_config_mapping_and_dataclass():
     }
     plan = EPPlan.from_config(section)
     assert plan == EPPlan(16, ("model.language_model.layers.{*}.mlp.experts",), "alltoall")
-    dc = ParallelConfig(expert_parallel_size=4, ep_plan=EPPlanConfig(apply_modules=["x.{*}"], dispatcher="alltoall_overlap"))
+    dc = ParallelConfig(
+        expert_parallel_size=4, ep_plan=EPPlanConfig(apply_modules=["x.{*}"], dispatcher="alltoall_overlap")
+    )
     assert EPPlan.from_config(dc) == EPPlan(4, ("x.{*}",), "alltoall_overlap")
     with pytest.raises(ValueError, match=r"parallel.ep_plan: unknown keys \['use_npu_fused_ops'\]"):
         EPPlan.from_config({"expert_parallel_size": 2, "ep_plan": {"apply_modules": ["a"], "use_npu_fused_ops": True}})

@@ -127,8 +127,11 @@ def run_case(rank: int, ep: int, case: EPCase, repeats: int) -> dict[str, list[f
 
     timed = {}
     for name, chunks in DISPATCHERS:
-        disp = a2a if chunks == 1 else OverlappedAllToAllDispatcher(case.num_experts, num_chunks=chunks,
-                                                                     validate_routing=False)
+        disp = (
+            a2a
+            if chunks == 1
+            else OverlappedAllToAllDispatcher(case.num_experts, num_chunks=chunks, validate_routing=False)
+        )
 
         def fwd(disp=disp):
             with torch.no_grad():
@@ -153,8 +156,12 @@ def _summarise(per_rank: list[dict[str, list[float]]]) -> dict[str, dict[str, fl
     for key in per_rank[0]:
         timings = [timing_from_samples(r[key]) for r in per_rank]
         worst = max(timings, key=lambda t: t.median_s)
-        out[key] = {"median_ms": worst.median_s * 1e3, "p20_ms": worst.p20_s * 1e3, "p80_ms": worst.p80_s * 1e3,
-                    "repeats": worst.repeats}
+        out[key] = {
+            "median_ms": worst.median_s * 1e3,
+            "p20_ms": worst.p20_s * 1e3,
+            "p80_ms": worst.p80_s * 1e3,
+            "repeats": worst.repeats,
+        }
     return out
 
 
@@ -179,28 +186,67 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--ep: {ep} must be >= 2 and divide the experts of every case (not {bad})")
     console = Console(width=max(Console().width, 150))
     machine = describe_machine()
-    command = "python -m benchmarks.run_ep " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m benchmarks.run_ep " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
     console.print(f"[bold]EP dispatch benchmark[/] (gloo, {machine.one_line()})")
     results = []
     for ep in eps:
         per_rank = run_ranks(_worker, ep, [asdict(c) for c in cases], repeats, timeout_s=900, pg_timeout_s=300)
         for i, case in enumerate(cases):
             summary = _summarise([r[i] for r in per_rank])
-            results.append({"case": asdict(case), "ep": ep, "exchange_mib_per_rank": case.exchange_mib(),
-                            "expert_gflop_per_rank": case.expert_gflop(), "ms": summary})
+            results.append(
+                {
+                    "case": asdict(case),
+                    "ep": ep,
+                    "exchange_mib_per_rank": case.exchange_mib(),
+                    "expert_gflop_per_rank": case.expert_gflop(),
+                    "ms": summary,
+                }
+            )
 
     table = Table(title="slowest rank, median ms (fp32, 1 thread per rank)")
-    for col in ("case", "EP", "MiB/a2a", "dispatch", "experts", "combine", "2 x a2a",
-                "fwd a2a", "fwd ovl2", "fwd ovl4", "f+b a2a", "f+b ovl2", "f+b ovl4", "ovl2 gain f+b"):
+    for col in (
+        "case",
+        "EP",
+        "MiB/a2a",
+        "dispatch",
+        "experts",
+        "combine",
+        "2 x a2a",
+        "fwd a2a",
+        "fwd ovl2",
+        "fwd ovl4",
+        "f+b a2a",
+        "f+b ovl2",
+        "f+b ovl4",
+        "ovl2 gain f+b",
+    ):
         table.add_column(col, justify="right")
     for r in results:
         ms = {k: v["median_ms"] for k, v in r["ms"].items()}
         gain = ms["fwdbwd_alltoall"] / ms["fwdbwd_overlap2"]
-        table.add_row(r["case"]["name"], str(r["ep"]), f"{r['exchange_mib_per_rank']:.1f}",
-                      *(f"{ms[k]:.1f}" for k in ("dispatch", "experts", "combine", "exchange", "fwd_alltoall",
-                                                 "fwd_overlap2", "fwd_overlap4", "fwdbwd_alltoall",
-                                                 "fwdbwd_overlap2", "fwdbwd_overlap4")),
-                      f"{gain:.2f}x")
+        table.add_row(
+            r["case"]["name"],
+            str(r["ep"]),
+            f"{r['exchange_mib_per_rank']:.1f}",
+            *(
+                f"{ms[k]:.1f}"
+                for k in (
+                    "dispatch",
+                    "experts",
+                    "combine",
+                    "exchange",
+                    "fwd_alltoall",
+                    "fwd_overlap2",
+                    "fwd_overlap4",
+                    "fwdbwd_alltoall",
+                    "fwdbwd_overlap2",
+                    "fwdbwd_overlap4",
+                )
+            ),
+            f"{gain:.2f}x",
+        )
     console.print(table)
     if args.out:
         path = Path(args.out)

@@ -23,8 +23,9 @@ from moe_gmm.parallel.plan import EPPlan
 __all__ = ["apply_expert_parallel", "expert_parallel_modules", "expert_parameter_ids", "sync_gradients"]
 
 
-def _ep_forward(self: nn.Module, hidden_TH: torch.Tensor, top_k_index_Tk: torch.Tensor,
-                top_k_weights_Tk: torch.Tensor) -> torch.Tensor:
+def _ep_forward(
+    self: nn.Module, hidden_TH: torch.Tensor, top_k_index_Tk: torch.Tensor, top_k_weights_Tk: torch.Tensor
+) -> torch.Tensor:
     """The experts forward under EP: same signature, global expert ids, local weight shards."""
     layout = self.ep_shard.layout
     gate_up_LH2I, down_LIH = layout.mlp_weights(self)
@@ -32,8 +33,9 @@ def _ep_forward(self: nn.Module, hidden_TH: torch.Tensor, top_k_index_Tk: torch.
         self.last_tokens_per_expert = torch.bincount(top_k_index_Tk.detach().flatten(), minlength=layout.num_experts)
 
     def run_local_experts(x_SH: torch.Tensor, group_list_L: torch.Tensor) -> torch.Tensor:
-        return expert_mlp(x_SH, group_list_L, gate_up_LH2I, down_LIH, fused=layout.fused, backend=layout.backend,
-                          validate=False)  # counts from bincount: non-negative and summing to S
+        return expert_mlp(
+            x_SH, group_list_L, gate_up_LH2I, down_LIH, fused=layout.fused, backend=layout.backend, validate=False
+        )  # counts from bincount: non-negative and summing to S
 
     return self.ep_dispatcher(hidden_TH, top_k_index_Tk, top_k_weights_Tk, run_local_experts)
 
@@ -78,7 +80,9 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
             continue
         layout, why = experts_layout(module)
         if layout is None:
-            problems.append(f"parallel.ep_plan.apply_modules matched {name!r}, which is not a routed-experts module: {why}")
+            problems.append(
+                f"parallel.ep_plan.apply_modules matched {name!r}, which is not a routed-experts module: {why}"
+            )
         elif layout.num_experts % ep_size:
             problems.append(f"{name!r}: num_experts={layout.num_experts} is not divisible by the EP size {ep_size}")
         else:
@@ -110,8 +114,9 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
             setattr(module, pname, local)
         validate = bool(getattr(module, "validate_routing", True))
         if plan.dispatcher == "alltoall_overlap":
-            dispatcher = OverlappedAllToAllDispatcher(layout.num_experts, ep_group, num_chunks=plan.num_chunks,
-                                                      validate_routing=validate)
+            dispatcher = OverlappedAllToAllDispatcher(
+                layout.num_experts, ep_group, num_chunks=plan.num_chunks, validate_routing=validate
+            )
         else:
             dispatcher = AllToAllDispatcher(layout.num_experts, ep_group, validate_routing=validate)
         module.ep_shard = shard

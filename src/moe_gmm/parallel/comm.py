@@ -57,8 +57,15 @@ def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
     return recv_counts
 
 
-def _exchange(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group: Group, *,
-              async_op: bool, what: str):
+def _exchange(
+    x: torch.Tensor,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    group: Group,
+    *,
+    async_op: bool,
+    what: str,
+):
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     with collective(what, group):
         work = dist.all_to_all_single(
@@ -77,8 +84,9 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_SH: torch.Tensor):
         output_splits, input_splits = ctx.splits
-        grad_RH, _ = _exchange(grad_SH, input_splits, output_splits, ctx.group, async_op=False,
-                               what="all-to-all (backward)")
+        grad_RH, _ = _exchange(
+            grad_SH, input_splits, output_splits, ctx.group, async_op=False, what="all-to-all (backward)"
+        )
         return grad_RH, None, None, None
 
 
@@ -122,8 +130,9 @@ class _StartAllToAll(torch.autograd.Function):
     def forward(ctx, x_RH, handle: AsyncAllToAll, output_splits, input_splits, group):
         ctx.handle = handle
         handle.splits, handle.group = (list(output_splits), list(input_splits)), group
-        out_SH, handle.work = _exchange(x_RH, output_splits, input_splits, group, async_op=True,
-                                        what="all-to-all (async)")
+        out_SH, handle.work = _exchange(
+            x_RH, output_splits, input_splits, group, async_op=True, what="all-to-all (async)"
+        )
         return out_SH
 
     @staticmethod
@@ -150,8 +159,9 @@ class _WaitAllToAll(torch.autograd.Function):
         # Autograd requires this node's gradient to have the shape of its input, so the reverse
         # exchange's receive buffer travels in the handle; grad_SH stays referenced until the wait.
         handle._send = grad_SH
-        handle.grad_RH, handle.work = _exchange(grad_SH, input_splits, output_splits, handle.group, async_op=True,
-                                                what="all-to-all (async backward)")
+        handle.grad_RH, handle.work = _exchange(
+            grad_SH, input_splits, output_splits, handle.group, async_op=True, what="all-to-all (async backward)"
+        )
         return grad_SH, None
 
 

@@ -227,7 +227,7 @@ class OverlappedAllToAllDispatcher(AllToAllDispatcher):
     ) -> torch.Tensor:
         x1_RH, route = self._permute(hidden_TH, ids_Tk, probs_Tk)
         sends = x1_RH.split([c.num_sent for c in route.chunks])
-        start = lambda c: all_to_all_async(  # noqa: E731
+        start = lambda c: all_to_all_async(
             sends[c], route.chunks[c].output_splits, route.chunks[c].input_splits, self.group
         )
         with record_function("moe::ep_dispatch"):

@@ -16,6 +16,7 @@ what each rank did (returned, raised with traceback, exited with a code, or was 
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import io
 import multiprocessing as mp
@@ -80,10 +81,8 @@ def _rank_main(rank, world_size, port, pg_timeout_s, watchdog_s, fn, args, resul
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # best effort: a dead peer can make teardown fail too
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - best effort: a dead peer can make teardown fail too
-                pass
         faulthandler.cancel_dump_traceback_later()
 
 
@@ -175,9 +174,10 @@ def run_ranks(
             failed = failed or r not in may_exit
     elapsed = time.monotonic() - start
     if failed or timed_out:
-        lines = [f"{sum(1 for v in reports.values() if v != 'returned')} of {world_size} ranks failed "
-                 f"after {elapsed:.1f} s" + (f" (timeout {timeout_s:.0f} s)" if timed_out else "")]
+        lines = [
+            f"{sum(1 for v in reports.values() if v != 'returned')} of {world_size} ranks failed "
+            f"after {elapsed:.1f} s" + (f" (timeout {timeout_s:.0f} s)" if timed_out else "")
+        ]
         lines += [f"--- rank {r}: {reports[r]}" for r in range(world_size)]
         raise RankFailure("\n".join(lines), reports, values)
     return [values.get(r) for r in range(world_size)]
-

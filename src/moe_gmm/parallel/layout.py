@@ -97,13 +97,21 @@ def experts_layout(module: nn.Module) -> tuple[ExpertsLayout | None, str]:
         )
     num_experts = int(getattr(module, "num_experts", gate_up.shape[0]))
     if gate_up.shape[0] != num_experts or down.shape[0] != num_experts:
-        return None, f"gate_up_proj / down_proj lead with {gate_up.shape[0]} / {down.shape[0]}, not num_experts={num_experts}"
+        return (
+            None,
+            f"gate_up_proj / down_proj lead with {gate_up.shape[0]} / {down.shape[0]}, not num_experts={num_experts}",
+        )
 
     from moe_gmm.layers.experts import GroupedExperts  # layers import ops only; no cycle
 
     if isinstance(module, GroupedExperts):
-        return ExpertsLayout(num_experts, in_out=True, hf_transpose=True, fused=module.use_grouped_expert_matmul,
-                             backend=module.backend if module.use_grouped_expert_matmul else None), ""
+        return ExpertsLayout(
+            num_experts,
+            in_out=True,
+            hf_transpose=True,
+            fused=module.use_grouped_expert_matmul,
+            backend=module.backend if module.use_grouped_expert_matmul else None,
+        ), ""
     # A Hugging Face experts module (``@use_experts_implementation``): only the SwiGLU variant maps
     # onto the grouped matmul + swiglu path.
     if not hasattr(module, "is_transposed"):
@@ -115,11 +123,16 @@ def experts_layout(module: nn.Module) -> tuple[ExpertsLayout | None, str]:
             ("has_bias=True", getattr(module, "has_bias", False)),
             ("is_concatenated=False", not getattr(module, "is_concatenated", True)),
             ("has_post_expert_norm=True", getattr(module, "has_post_expert_norm", False)),
-            (f"act_fn={type(getattr(module, 'act_fn', None)).__name__} (SiLU needed)",
-             not _is_silu(getattr(module, "act_fn", None))),
+            (
+                f"act_fn={type(getattr(module, 'act_fn', None)).__name__} (SiLU needed)",
+                not _is_silu(getattr(module, "act_fn", None)),
+            ),
         )
         if bad
     ]
     if unsupported:
-        return None, f"{type(module).__name__} uses {', '.join(unsupported)}; only [gate; up] SwiGLU experts are supported"
+        return (
+            None,
+            f"{type(module).__name__} uses {', '.join(unsupported)}; only [gate; up] SwiGLU experts are supported",
+        )
     return ExpertsLayout(num_experts, in_out=bool(module.is_transposed), hf_transpose=False), ""

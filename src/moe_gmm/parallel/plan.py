@@ -146,7 +146,9 @@ class EPPlan:
             )
         object.__setattr__(self, "apply_modules", tuple(self.apply_modules))
         if ep > 1 and not self.apply_modules:
-            raise ValueError("parallel.ep_plan.apply_modules: must name at least one module when expert_parallel_size > 1")
+            raise ValueError(
+                "parallel.ep_plan.apply_modules: must name at least one module when expert_parallel_size > 1"
+            )
         for text in self.apply_modules:
             ModulePattern.compile(text)  # fail at construction, not at apply time
         if self.dispatcher not in DISPATCHERS:
