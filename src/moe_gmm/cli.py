@@ -18,7 +18,9 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="moe-gmm", description="Validate, train and benchmark the MoE grouped-matmul operators."
+        prog="moe-gmm",
+        description="Validate, train and benchmark the MoE grouped-matmul operators.",
+        epilog="exit codes: 0 every check passed, 1 a check failed, 2 bad usage (flag, config, device, backend)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{validate,train,bench}")
 
@@ -30,7 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="bf16",
         help="bf16 (the reference unit test's dtype, rtol=atol=1e-2) or fp32 (1e-5)",
     )
-    v.add_argument("--model", default="tiny", help="layer sizes: tiny (default), qwen3_5_35b_layer, qwen3_5_397b_layer")
+    v.add_argument(
+        "--model",
+        default="tiny",
+        help="layer sizes: tiny (default), qwen3_5_35b_layer, qwen3_5_397b_layer; the float64 references of the "
+        "large layers need tens of GB of host memory",
+    )
     v.add_argument("--backend", default=None, help="grouped-matmul backend of the fused path (default: automatic)")
     v.add_argument("--out", default="out/validate", help="directory for report.md, report.json and plots")
     v.add_argument("--quick", action="store_true", help="fewer tokens and timing repeats (about a minute on 2 cores)")
@@ -50,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="grouped-matmul and MoE-layer benchmarks with JSON and plots")
     b.add_argument("--suite", choices=("gmm", "layer", "all"), default="all")
-    b.add_argument("--out", default="out/bench", help="directory for bench.json and plots")
-    b.add_argument("--quick", action="store_true", help="the small case set (seconds)")
+    b.add_argument(
+        "--out", default="out/bench", help="directory for gmm.json, moe_layer.json, their .md tables and plots"
+    )
+    b.add_argument("--quick", action="store_true", help="the small case sets and fewer repeats")
     b.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
     b.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd"), default="fwdbwd")
     return parser
