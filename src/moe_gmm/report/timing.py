@@ -11,12 +11,15 @@ Phases are read from the profiler by name, so no layer has to cooperate:
 - ``step``: the whole training step, measured without the profiler (median wall time), because
   starting the profiler and recording events inflates it.
 
+Paths are profiled interleaved (eager, fused, eager, ...) and each phase is the median over steps.
+
 On CPU every phase is CPU time. On an accelerator the kernel phases use device time when the
 profiler recorded any, and ``host`` stays CPU time.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import statistics
@@ -27,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-__all__ = ["STEP_LABEL", "PhaseTimes", "measure_phases", "median_step_ms", "synchronize"]
+__all__ = ["STEP_LABEL", "PhaseTimes", "measure_phases", "measure_phases_interleaved", "median_step_ms", "synchronize"]
 
 STEP_LABEL = "moe::step"
 _GMM_KEYS = ("moe_gmm::grouped_matmul", "moe_gmm::grouped_matmul_grad_input", "moe_gmm::grouped_matmul_grad_weight")
@@ -99,47 +102,77 @@ def _activities(device: torch.device) -> list[ProfilerActivity]:
     return acts
 
 
-def measure_phases(step: Callable[[], None], device: torch.device, *, steps: int) -> PhaseTimes:
-    """Run ``step`` ``steps`` times under the profiler and return per-step phase times in ms."""
-    step()  # warm-up outside the profile (first-call allocation and op registration)
+def _permute_node(name: str) -> str:
+    # The autograd node of a custom op is named GeneratedBackwardFor_<ns>_<op>_defaultBackward; its
+    # inclusive time covers the registered backward.
+    return f"GeneratedBackwardFor_moe_gmm_{name}_defaultBackward"
+
+
+_PERMUTE_KEYS = tuple(k for n in _PERMUTE_OPS for k in (f"moe_gmm::{n}", _permute_node(n)))
+_OWN_NODES = (*_PERMUTE_KEYS[1::2], "GeneratedBackwardFor_moe_gmm_grouped_matmul_defaultBackward")
+
+
+def measure_phases_interleaved(
+    steps: dict[str, Callable[[], None]], device: torch.device, *, rounds: int
+) -> dict[str, PhaseTimes]:
+    """Profile ``rounds`` rounds of every step (a, b, a, b, ...); per path, the median step's phases in ms.
+
+    Interleaving and medians keep a burst of load from other processes out of one path's numbers.
+    Each profiled event is attributed to the step whose labelled time interval contains its start.
+    """
+    for step in steps.values():
+        step()  # warm-up outside the profile (first-call allocation and op registration)
     synchronize(device)
     prof = profile(activities=_activities(device))
     with _native_stderr_silenced():
         prof.start()
     try:
-        for _ in range(steps):
-            with record_function(STEP_LABEL):
-                step()
-        synchronize(device)
+        for _ in range(rounds):
+            for name, step in steps.items():
+                with record_function(f"{STEP_LABEL}[{name}]"):
+                    step()
+                    synchronize(device)
     finally:
         with _native_stderr_silenced():
             prof.stop()
-    events = {e.key: e for e in prof.key_averages()}
+    events = list(prof.events())
+    labels = sorted(
+        (e.time_range.start, e.time_range.end, e.name[len(STEP_LABEL) + 1 : -1], [0.0, 0.0, 0.0])
+        for e in events
+        if e.name.startswith(STEP_LABEL + "[")
+    )
+    starts = [lab[0] for lab in labels]
 
-    def kernel_us(key: str) -> float:
-        e = events.get(key)
-        if e is None:
-            return 0.0
+    def kernel_us(e) -> float:
         device_us = float(getattr(e, "device_time_total", 0.0) or 0.0)
         return device_us if device.type != "cpu" and device_us > 0 else float(e.cpu_time_total)
 
-    gmm_us = sum(kernel_us(k) for k in _GMM_KEYS)
-    permute_us = 0.0
-    own_frames = [k for k in events if k.startswith(("moe_gmm::", "moe::"))]
-    for name in _PERMUTE_OPS:
-        permute_us += kernel_us(f"moe_gmm::{name}")
-        # The autograd node of a custom op is named GeneratedBackwardFor_<ns>_<op>_defaultBackward;
-        # its inclusive time covers the registered backward.
-        node = f"GeneratedBackwardFor_moe_gmm_{name}_defaultBackward"
-        permute_us += kernel_us(node)
-        own_frames.append(node)
-    own_frames += [f"GeneratedBackwardFor_moe_gmm_{op.split('::')[1]}_defaultBackward" for op in _GMM_KEYS[:1]]
-    host_us = sum(float(events[k].self_cpu_time_total) for k in set(own_frames) if k in events)
-    host_us += sum(float(events[k].cpu_time_total) for k in _SYNC_KEYS if k in events)
-    return PhaseTimes(
-        {
-            "gmm": gmm_us / 1e3 / steps,
-            "permute/unpermute": permute_us / 1e3 / steps,
-            "host": host_us / 1e3 / steps,
-        }
-    )
+    for e in events:
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        if i < 0 or e.time_range.start > labels[i][1]:
+            continue  # outside every step (profiler bookkeeping)
+        acc = labels[i][3]
+        key = e.name
+        if key in _GMM_KEYS:
+            acc[0] += kernel_us(e)
+        elif key in _PERMUTE_KEYS:
+            acc[1] += kernel_us(e)
+        if key.startswith(("moe_gmm::", "moe::")) or key in _OWN_NODES:
+            acc[2] += float(e.self_cpu_time_total)
+        elif key in _SYNC_KEYS:
+            acc[2] += float(e.cpu_time_total)
+    out = {}
+    for name in steps:
+        per_step = [lab[3] for lab in labels if lab[2] == name]
+        out[name] = PhaseTimes(
+            {
+                phase: statistics.median(v[i] for v in per_step) / 1e3
+                for i, phase in enumerate(("gmm", "permute/unpermute", "host"))
+            }
+        )
+    return out
+
+
+def measure_phases(step: Callable[[], None], device: torch.device, *, steps: int) -> PhaseTimes:
+    """Profile ``steps`` calls of one step; the median step's phase times in ms."""
+    return measure_phases_interleaved({"step": step}, device, rounds=steps)["step"]
