@@ -72,6 +72,10 @@ def test_validate_quick_passes_and_fills_every_row(quick_run):
             assert isinstance(r["fused"], (int, float)) and r["fused"] == r["fused"], r  # numeric, not NaN
             assert r["eager"] is None or isinstance(r["eager"], (int, float)), r
     assert data["meta"]["dtype"] == "bfloat16" and data["meta"]["fused_backend"]
+    # The profiler found the ops it attributes to each phase, on both paths.
+    for r in data["rows"]:
+        if r["section"].startswith("performance"):
+            assert r["eager"] > 0 and r["fused"] > 0, r
     for name in (
         "report.md",
         "report.json",
