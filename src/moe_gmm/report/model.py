@@ -60,6 +60,8 @@ class Report:
     title: str
     meta: dict[str, Any] = field(default_factory=dict)
     rows: list[Row] = field(default_factory=list)
+    # Sentences a reader needs to interpret the rows (printed under the title).
+    notes: list[str] = field(default_factory=list)
 
     def add(self, row: Row) -> Row:
         self.rows.append(row)
@@ -86,6 +88,7 @@ class Report:
             counts[r.status.lower()] += 1
         return {
             "title": self.title,
+            "notes": self.notes,
             "meta": self.meta,
             "summary": {"ok": self.ok, **counts},
             "rows": [{**asdict(r), "status": r.status} for r in self.rows],

@@ -33,6 +33,8 @@ def _meta_line(report: Report) -> str:
 def to_markdown(report: Report) -> str:
     """A Markdown document: header, one table per section, and a summary line."""
     lines = [f"# {report.title}", "", _meta_line(report), ""]
+    for note in report.notes:
+        lines += [f"> {note}", ""]
     for section in report.sections():
         lines += [f"## {section}", "", "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
         for row in report.rows:
@@ -76,6 +78,8 @@ def render_terminal(report: Report, console=None) -> None:
 
     console = console or wide_console()
     console.print(f"[bold]{report.title}[/bold]  [dim]{_meta_line(report)}[/dim]")
+    for note in report.notes:
+        console.print(f"[italic]{note}[/italic]")
     style = {"PASS": "green", "FAIL": "bold red", "info": "dim"}
     for section in report.sections():
         table = Table(title=section, title_justify="left", title_style="bold")
