@@ -183,13 +183,18 @@ def routing_rows(
     """
     top_k = selected_experts_Tk.shape[1]
     flat_ids_R = selected_experts_Tk.reshape(-1).to(torch.int64)
-    slot_of_row_R = torch.sort(flat_ids_R, stable=True).indices
+    sorted_ids_R, slot_of_row_R = torch.sort(flat_ids_R, stable=True)
     token_of_row_R = torch.div(slot_of_row_R, max(top_k, 1), rounding_mode="floor")
-    group_ends_E = torch.cumsum(torch.bincount(flat_ids_R, minlength=num_experts), 0)
+    # Group ends by binary search in the sorted ids: a static [E] shape (torch.compile traces it,
+    # unlike bincount's data-dependent length) and no atomics.
+    experts_E = torch.arange(num_experts, device=flat_ids_R.device, dtype=torch.int64)
+    group_ends_E = torch.searchsorted(sorted_ids_R, experts_E, right=True)
     return slot_of_row_R, token_of_row_R, group_ends_E
 
 
 def _require_triton(x: torch.Tensor, w: torch.Tensor) -> None:
+    if torch.compiler.is_compiling():  # checked when the eager call ran; not traceable (imports, env)
+        return
     reason = get_backend("triton").refusal(x, w)
     if reason is not None:
         raise ValueError(
