@@ -33,4 +33,4 @@ def test_dry_run_checks_times_and_writes_json(tmp_path):
     impls = {r["impl"] for r in result["gemm"]}
     assert {"dense_mm", "triton", "torch", "eager"} <= impls
     assert all(r["ms"] > 0 and r["frac_dense"] > 0 for r in result["gemm"])
-    assert {r["impl"] for r in result["moe_mlp"]} == {"unfused", "gather_scatter"}
+    assert {r["impl"] for r in result["moe_mlp"]} == {"unfused_triton", "unfused_auto", "gather_scatter"}
