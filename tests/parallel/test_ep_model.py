@@ -9,10 +9,17 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe_gmm.layers import MoeBlockConfig, SparseMoeBlock
-from moe_gmm.parallel import EPPlan, apply_expert_parallel, expert_parallel_modules, sync_gradients
+from moe_gmm.parallel import (
+    EPPlan,
+    apply_expert_parallel,
+    expert_parallel_groups,
+    expert_parallel_modules,
+    sync_gradients,
+)
 from moe_gmm.parallel.launch import run_ranks
 from moe_gmm.testing import relative_error
 
@@ -114,16 +121,26 @@ def _equality(rank: int, ep: int, dispatcher: str) -> dict[str, float]:
     return errs
 
 
-def _training(rank: int, ep: int, dispatcher: str, steps: int = 3) -> dict[str, float]:
-    """Mean loss, SGD with momentum: 3 EP steps == 3 single-process steps on the concatenated batches."""
+def _training(rank: int, world: int, dispatcher: str, ep: int | None = None, steps: int = 3) -> dict[str, float]:
+    """Mean loss, SGD with momentum: 3 EP steps == 3 single-process steps on the concatenated batches.
+
+    ``ep < world`` runs data parallelism across EP groups (``world / ep`` replicas of each shard).
+    """
+    ep = ep or world
     g = torch.Generator().manual_seed(3)
     per_rank = 8
     batches = [
-        (torch.randn(ep * per_rank, 16, generator=g), torch.randn(ep * per_rank, 16, generator=g)) for _ in range(steps)
+        (torch.randn(world * per_rank, 16, generator=g), torch.randn(world * per_rank, 16, generator=g))
+        for _ in range(steps)
     ]
     ref_model = _model(seed=4)
     model = copy.deepcopy(ref_model)
-    apply_expert_parallel(model, None, EPPlan(ep, [PATTERN], dispatcher))
+    if ep == world:
+        ep_group, groups = None, {}
+    else:
+        ep_group, expert_dp_group = expert_parallel_groups(ep)
+        groups = {"dense_group": dist.group.WORLD, "expert_dp_group": expert_dp_group}
+    apply_expert_parallel(model, ep_group, EPPlan(ep, [PATTERN], dispatcher))
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -133,18 +150,19 @@ def _training(rank: int, ep: int, dispatcher: str, steps: int = 3) -> dict[str, 
         ref_opt.step()
         opt.zero_grad()
         nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        sync_gradients(model, None)  # mean loss: average replicated grads, experts / ep
+        sync_gradients(model, ep_group, **groups)  # mean loss: average replicated grads, experts / world
         opt.step()
     sharded = {f"{n}.{p}" for n in expert_parallel_modules(model) for p in ("gate_up_proj", "down_proj")}
     ref = dict(ref_model.named_parameters())
     init = dict(_model(seed=4).named_parameters())
     # The comparison means something only if training moved every parameter.
     errs = {"min_move": min(relative_error(ref[n], init[n]) for n in ref)}
+    ep_rank = rank % ep
     for name, p in model.named_parameters():
         expected = ref[name].detach()
         if name in sharded:
             local = expected.shape[0] // ep
-            expected = expected[rank * local : (rank + 1) * local]
+            expected = expected[ep_rank * local : (ep_rank + 1) * local]
         errs[name] = relative_error(p.detach(), expected)
     return errs
 
@@ -159,6 +177,8 @@ def _model_worker(rank: int, ep: int, train: bool) -> dict:
     if train:
         report["train_alltoall"] = _training(rank, ep, "alltoall")
         report["train_overlap"] = _training(rank, ep, "alltoall_overlap")
+    else:  # 2 data-parallel replicas of an EP-2 group
+        report["train_dp2_ep2"] = _training(rank, ep, "alltoall", ep=2)
     return report
 
 
@@ -175,12 +195,15 @@ EXPECTED_SETUP_ERRORS = {
 }
 
 
-@pytest.mark.parametrize(("ep", "train"), [(2, True), (4, False)])  # training steps at EP 2 (the gradient
-def test_expert_parallel_model(ep, train):  # scaling is EP-size generic and covered by the EP-4 equality)
+# Training steps at EP 2; the 4-rank spawn trains 2 data-parallel replicas of EP 2 instead.
+@pytest.mark.parametrize(("ep", "train"), [(2, True), (4, False)])
+def test_expert_parallel_model(ep, train):
     for rank, report in enumerate(run_ranks(_model_worker, ep, train, timeout_s=150)):
         for case, needle in EXPECTED_SETUP_ERRORS.items():
             assert needle in report["setup_errors"][case], f"rank {rank} {case}: {report['setup_errors'][case]}"
-        sections = ("equal_alltoall", "equal_overlap") + (("train_alltoall", "train_overlap") if train else ())
+        sections = ("equal_alltoall", "equal_overlap") + (
+            ("train_alltoall", "train_overlap") if train else ("train_dp2_ep2",)
+        )
         for section in sections:
             if section.startswith("train"):
                 assert report[section].pop("min_move") > 1e-4, "training did not move some parameter"

@@ -8,7 +8,12 @@ Typical use (every rank of the EP group)::
     loss.backward(); sync_gradients(model, ep_group); optimizer.step()
 """
 
-from moe_gmm.parallel.apply import apply_expert_parallel, expert_parallel_modules, sync_gradients
+from moe_gmm.parallel.apply import (
+    apply_expert_parallel,
+    expert_parallel_groups,
+    expert_parallel_modules,
+    sync_gradients,
+)
 from moe_gmm.parallel.comm import CollectiveError
 from moe_gmm.parallel.dispatcher import AllToAllDispatcher, OverlappedAllToAllDispatcher
 from moe_gmm.parallel.plan import EPPlan
@@ -19,6 +24,7 @@ __all__ = [
     "EPPlan",
     "OverlappedAllToAllDispatcher",
     "apply_expert_parallel",
+    "expert_parallel_groups",
     "expert_parallel_modules",
     "sync_gradients",
 ]

@@ -20,7 +20,13 @@ from moe_gmm.parallel.dispatcher import AllToAllDispatcher, OverlappedAllToAllDi
 from moe_gmm.parallel.layout import EXPERT_PARAMS, ExpertShard, experts_layout
 from moe_gmm.parallel.plan import EPPlan
 
-__all__ = ["apply_expert_parallel", "expert_parallel_modules", "expert_parameter_ids", "sync_gradients"]
+__all__ = [
+    "apply_expert_parallel",
+    "expert_parallel_groups",
+    "expert_parallel_modules",
+    "expert_parameter_ids",
+    "sync_gradients",
+]
 
 
 def _ep_forward(
@@ -137,41 +143,82 @@ def expert_parameter_ids(model: nn.Module) -> set[int]:
     return {id(getattr(m, p)) for m in expert_parallel_modules(model).values() for p in EXPERT_PARAMS}
 
 
-def sync_gradients(model: nn.Module, ep_group: dist.ProcessGroup | None, *, average: bool = True) -> None:
+def _all_reduce_flat(params: list[nn.Parameter], group: dist.ProcessGroup | None, scale: float) -> None:
+    """Sum the gradients of ``params`` over ``group`` (one flat buffer per dtype), then scale them."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is None:  # a zero gradient, so every rank reduces a buffer of the same layout
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        grads = [p.grad for p in by_dtype[dtype]]
+        flat = _flatten_dense_tensors(grads)
+        with collective("gradient all-reduce", group):
+            dist.all_reduce(flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+
+def sync_gradients(
+    model: nn.Module,
+    ep_group: dist.ProcessGroup | None,
+    *,
+    average: bool = True,
+    dense_group: dist.ProcessGroup | None = None,
+    expert_dp_group: dist.ProcessGroup | None = None,
+) -> None:
     """Make EP gradients equal those of single-process training on the concatenated batch.
 
     Call after ``backward()`` and before the optimizer step, on every rank.
 
     - Replicated parameters (router, shared expert, attention, embeddings, ...) saw only this
-      rank's tokens: their gradients are all-reduced over the group (one flat buffer per dtype).
-    - Expert parameters already hold the sum over every rank's tokens routed to them (the
-      combine's backward brought those gradients to the owner), so they are not reduced.
+      rank's tokens: their gradients are all-reduced over ``dense_group`` (``None``: the EP group;
+      ``dist.group.WORLD`` with data parallelism across EP groups), one flat buffer per dtype.
+    - Expert parameters already hold the sum over the EP group's tokens routed to them (the
+      combine's backward brought those gradients to the owner). With data parallelism across EP
+      groups (see :func:`expert_parallel_groups`) the same shard lives on one rank of every EP
+      group, and ``expert_dp_group`` (those ranks) sums them; without it they are not reduced.
 
     ``average=True`` is for a loss that is a mean over each rank's tokens (equal token counts on
-    every rank): the concatenated-batch loss is then the mean of the ranks' losses, so replicated
-    gradients are averaged and expert gradients divided by the group size. ``average=False`` is for
-    a summed loss: replicated gradients are summed, expert gradients left as they are.
-    A parameter without a gradient counts as a zero gradient, so every rank reduces the same buffer.
+    every rank): the concatenated-batch loss is then the mean of the ranks' losses, so every
+    gradient is divided by the number of ranks that hold data (the size of ``dense_group``).
+    ``average=False`` is for a summed loss: sums only.
     """
-    ep_size = dist.get_world_size(ep_group)
+    dense_group = ep_group if dense_group is None else dense_group
+    scale = 1.0 / dist.get_world_size(dense_group) if average else 1.0
     experts = expert_parameter_ids(model)
-    replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in replicated:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p)
-    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-        params = by_dtype[dtype]
-        grads = [p.grad for p in params]
-        flat = _flatten_dense_tensors(grads)
-        with collective("gradient all-reduce", ep_group):
-            dist.all_reduce(flat, group=ep_group)
-        if average:
-            flat.div_(ep_size)
-        for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
-            p.grad.copy_(g)
-    if average:
-        for p in model.parameters():
-            if id(p) in experts and p.grad is not None:
-                p.grad.div_(ep_size)
+    _all_reduce_flat([p for p in model.parameters() if p.requires_grad and id(p) not in experts], dense_group, scale)
+    expert_params = [p for p in model.parameters() if p.requires_grad and id(p) in experts]
+    if expert_dp_group is not None and dist.get_world_size(expert_dp_group) > 1:
+        _all_reduce_flat(expert_params, expert_dp_group, scale)
+    elif scale != 1.0:
+        for p in expert_params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+
+
+def expert_parallel_groups(ep_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """``(ep_group, expert_dp_group)`` of this rank for ``world = dp * ep`` ranks, EP innermost.
+
+    EP groups are consecutive ranks ``[d * ep, (d + 1) * ep)`` (on one node when ep <= GPUs per
+    node, where the all-to-all is cheapest); expert-DP groups are the ranks holding the same expert
+    shard, ``{d * ep + i for d in range(dp)}``. Collective: every rank creates every group in the
+    same order. Train with
+    ``sync_gradients(model, ep_group, dense_group=dist.group.WORLD, expert_dp_group=expert_dp_group)``.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1 or world % ep_size:
+        raise ValueError(f"ep_size must be a positive divisor of the world size {world}, got {ep_size!r}")
+    dp = world // ep_size
+    mine: dict[str, dist.ProcessGroup] = {}
+    for d in range(dp):
+        group = dist.new_group([d * ep_size + i for i in range(ep_size)])
+        if rank // ep_size == d:
+            mine["ep"] = group
+    for i in range(ep_size):
+        group = dist.new_group([d * ep_size + i for d in range(dp)])
+        if rank % ep_size == i:
+            mine["dp"] = group
+    return mine["ep"], mine["dp"]

@@ -76,7 +76,8 @@ def save_ep_checkpoint(model: nn.Module, directory: str | os.PathLike, group: di
 
     Every rank of ``group`` (the EP group the model was sharded over; ``None`` for the default group,
     or a single process when ``torch.distributed`` is not initialised) must call it. Returns after
-    every rank has written its files.
+    every rank has written its files. With data parallelism across EP groups, every EP group holds
+    the whole model: let one of them (e.g. the one containing rank 0) save.
     """
     distributed = dist.is_available() and dist.is_initialized()
     rank, size = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
