@@ -144,9 +144,10 @@ def _routing_rows(report: Report, block, x_TH, ids_Tk, probs_Tk, num_experts: in
             "max |sum_k w - 1|",
             dev,
             dev,
-            limit,
-            dev <= limit,
-            f"probs dtype {str(probs_Tk.dtype).removeprefix('torch.')}",
+            limit if block.gate.norm_topk_prob else None,
+            (dev <= limit) if block.gate.norm_topk_prob else None,
+            f"probs dtype {str(probs_Tk.dtype).removeprefix('torch.')}"
+            + ("" if block.gate.norm_topk_prob else "; norm_topk_prob=False: weights are not renormalised"),
         )
     )
     # Every (token, slot) copy must sit in the bucket of the expert it was routed to, and hold the token.
