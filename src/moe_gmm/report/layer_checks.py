@@ -1,4 +1,4 @@
-"""Rows for the routed experts inside a real MoE block, the routing, the shapes and the timings.
+"""Rows for the routed experts inside a real MoE block, the routing and the shapes.
 
 Two :class:`~moe_gmm.layers.SparseMoeBlock` copies with identical weights run side by side:
 ``use_grouped_expert_matmul=False`` (eager loop) and ``True`` (the fused backend). Their shared
@@ -29,7 +29,6 @@ from moe_gmm.report.checks import (
     rel_err_row,
 )
 from moe_gmm.report.model import Report, Row
-from moe_gmm.report.timing import measure_phases_interleaved, median_step_ms
 from moe_gmm.testing import (
     reference_grouped_matmul,
     reference_permute,
@@ -38,13 +37,12 @@ from moe_gmm.testing import (
     tolerance_for,
 )
 
-__all__ = ["build_block_pair", "layer_rows", "timing_rows"]
+__all__ = ["block_out", "build_block_pair", "layer_rows"]
 
 _SEC_ROUTING = "routing"
 _SEC_SHAPES = "shapes"
 _SEC_EXPERTS = "routed experts in the MoE block"
 _SEC_FORCED = "routed experts, forced routing"
-_SEC_PERF = "performance (ms per step)"
 
 
 def _init_weights(module: torch.nn.Module, seed: int) -> None:
@@ -79,7 +77,7 @@ def build_block_pair(shape: ModelConfig, dtype, device, seed: int, backend: str 
     return eager.to(device=device, dtype=dtype), fused.to(device=device, dtype=dtype)
 
 
-def _block_out(block: torch.nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
+def block_out(block: torch.nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
     out = block(x_TH)
     return out[0] if isinstance(out, tuple) else out
 
@@ -308,7 +306,7 @@ def layer_rows(report: Report, opts, device: torch.device, shape: ModelConfig) -
     outs, grads_x = {}, {}
     for name, block, xin in (("eager", eager, x_TH), ("fused", fused, x_TH), ("ref", reference, x64.to(device))):
         xg = xin.detach().clone().requires_grad_(True)
-        y = _block_out(block, xg)
+        y = block_out(block, xg)
         y.backward(gy_TH.to(y.dtype))
         outs[name], grads_x[name] = y.detach(), xg.grad
     del reference
@@ -364,45 +362,3 @@ def layer_rows(report: Report, opts, device: torch.device, shape: ModelConfig) -
         if routing == "empty":
             plot["grad_weight"], plot["counts"] = per_expert, counts
     return plot
-
-
-def timing_rows(report: Report, opts, device: torch.device, shape: ModelConfig) -> dict[str, dict[str, float]]:
-    """GMM, permute/unpermute, host and step time of one MoE-block training step, eager vs fused."""
-    eager, fused = build_block_pair(shape, opts.torch_dtype, device, opts.seed, opts.backend)
-    g = torch.Generator().manual_seed(opts.seed + 300)
-    x_TH = torch.randn(opts.tokens, shape.hidden_size, generator=g).to(device=device, dtype=opts.torch_dtype)
-    profiled_steps, warmup, repeats = (5, 2, 10) if opts.quick else (11, 3, 30)
-    steps = {}
-    for name, block in (("eager", eager), ("fused", fused)):
-        opt = torch.optim.SGD(block.parameters(), lr=1e-3)
-
-        def step(block=block, opt=opt) -> None:
-            opt.zero_grad(set_to_none=True)
-            y = _block_out(block, x_TH)
-            y.float().square().mean().backward()
-            opt.step()
-
-        steps[name] = step
-    phases = measure_phases_interleaved(steps, device, rounds=profiled_steps)
-    times: dict[str, dict[str, float]] = {name: dict(phases[name]) for name in steps}
-    walls = median_step_ms(steps, device, warmup=warmup, repeats=repeats)
-    spreads = {}
-    for name, (median, spread) in walls.items():
-        times[name]["step"] = median
-        spreads[name] = spread
-    labels = {
-        "gmm": ("GMM time (the two expert matmuls, fwd+bwd)", "moe_gmm::grouped_matmul + its 2 backward ops"),
-        "permute/unpermute": ("permute/unpermute time (fwd+bwd)", "moe_gmm::permute/unpermute + autograd nodes"),
-        "host": ("host time", "self time of moe_gmm ops/labels (Python, checks, dispatch) + .item() syncs"),
-        "step": ("MoE block training step (fwd+bwd+SGD)", f"median of {repeats}, interleaved, no profiler"),
-    }
-    for key, (check, how) in labels.items():
-        e, f = times["eager"][key], times["fused"][key]
-        speedup = f"eager/fused {e / f:.2f}x" if f > 0 else "fused time 0"
-        notes = f"{speedup}; {how}"
-        if key != "step":
-            notes += f"; profiler, median of {profiled_steps} interleaved steps"
-        if key == "step":
-            notes += f"; spread eager {spreads['eager']:.2f} ms, fused {spreads['fused']:.2f} ms"
-        report.add(Row(_SEC_PERF, check, "ms", e, f, None, None, notes))
-    return times

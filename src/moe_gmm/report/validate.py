@@ -9,8 +9,8 @@ Sections, in order:
    shape checks;
 3. the Hugging Face Qwen3.5-MoE block with ``experts_implementation="moe_gmm"`` against
    transformers' own eager experts (see :mod:`moe_gmm.report.hf_checks`);
-4. performance: the two expert matmuls, permute/unpermute, host time and one training step of the
-   MoE block, eager vs fused.
+4. performance (see :mod:`moe_gmm.report.perf_checks`): the two expert matmuls, permute/unpermute,
+   host time and one training step of the MoE block, eager vs fused.
 
 Legend: T tokens, k top-k, E experts, H hidden, I moe intermediate, M = T*k permuted rows.
 """
@@ -200,7 +200,7 @@ def run_validation(opts: ValidateOptions, out_dir: str | Path | None = None, pro
 
     ``progress``, if given, is called as ``progress(description)`` before each section.
     """
-    from moe_gmm.report import hf_checks, layer_checks
+    from moe_gmm.report import hf_checks, layer_checks, perf_checks
 
     device = _check_options(opts)
     shape = MODEL_PRESETS[opts.model]
@@ -239,7 +239,7 @@ def run_validation(opts: ValidateOptions, out_dir: str | Path | None = None, pro
     say("Hugging Face Qwen3.5-MoE block")
     hf_checks.hf_rows(report, opts, device, shape)
     say("timing")
-    times = layer_checks.timing_rows(report, opts, device, shape)
+    times = perf_checks.timing_rows(report, opts, device, shape)
     files: dict[str, Path] = {}
     if out_dir is not None:
         from moe_gmm.report.render import write_report
