@@ -13,6 +13,7 @@ reproduces the losses of an uninterrupted run).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from dataclasses import dataclass, field
@@ -256,6 +257,8 @@ def run_training(
     from moe_gmm.report.render import render_terminal, wide_console
 
     cfg = config if isinstance(config, RunConfig) else load_config(config)
+    if importlib.util.find_spec("transformers") is None:
+        raise TrainUsageError("moe-gmm train builds a transformers model: pip install 'moe-gmm[hf]'")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise TrainUsageError("device: cuda requested but torch.cuda.is_available() is False")
     out = Path(out_dir)
