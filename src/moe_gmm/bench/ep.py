@@ -7,12 +7,13 @@ ranks. Measured per rank, then the slowest rank reported (a step waits for it):
 
 - the phases of the one-chunk ``alltoall`` dispatcher, forward: ``dispatch`` (permute, count
   exchange, the host sync, all-to-all, regroup), ``experts`` (GMM -> SwiGLU -> GMM on the local
-  shard), ``combine`` (inverse regroup, all-to-all back, unpermute);
+  shard), ``combine`` (inverse regroup, all-to-all back, unpermute); and ``route``, the part of
+  ``dispatch`` before the token exchange (permute, count exchange, host sync, regroup indices);
 - ``exchange``: the two all-to-alls alone on the same rows (the communication floor);
 - forward and forward+backward of ``alltoall`` and of ``alltoall_overlap`` with 2 and 4 chunks.
 
 Every timed call starts right after a barrier, so the ranks start together; medians of the
-repeats, with the 20th/80th percentiles in the JSON.
+repeats, with the 20th/80th percentiles and the minimum in the JSON.
 """
 
 from __future__ import annotations
@@ -64,19 +65,21 @@ CASES = {
 DISPATCHERS = (("alltoall", 1), ("overlap2", 2), ("overlap4", 4))
 
 
-def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Warm up each, then ``repeats`` rounds running every callable once in a rotated order (a load
-    spike from another process then hits all of them alike); a barrier before each timed call."""
-    names = list(fns)
-    for name in names:
-        fns[name]()
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+def _consecutive(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Each callable: one warm-up call, then ``repeats`` timed calls in a row, a barrier before each.
+
+    In a row, not interleaved: alternating dispatchers of different chunk sizes (and forward with
+    backward) changes the allocator's and caches' state between calls and inflated the one-chunk
+    forward about 2x here, which no training step sees.
+    """
+    samples: dict[str, list[float]] = {}
+    for name, fn in fns.items():
+        fn()
+        samples[name] = []
+        for _ in range(repeats):
             dist.barrier()
             t0 = time.perf_counter()
-            fns[name]()
+            fn()
             samples[name].append(time.perf_counter() - t0)
     return samples
 
@@ -101,7 +104,7 @@ def run_case(rank: int, ep: int, case: EPCase, repeats: int) -> dict[str, list[f
         return expert_mlp(x_SH, group_list_L, gate_up, down, validate=False)
 
     a2a = AllToAllDispatcher(case.num_experts, validate_routing=False)
-    samples: dict[str, list[float]] = {"dispatch": [], "experts": [], "combine": [], "exchange": []}
+    samples: dict[str, list[float]] = {"dispatch": [], "experts": [], "combine": [], "exchange": [], "route": []}
     with torch.no_grad():
         _, _, route = a2a.dispatch(x, ids, probs)
         (chunk,) = route.chunks
@@ -120,7 +123,11 @@ def run_case(rank: int, ep: int, case: EPCase, repeats: int) -> dict[str, list[f
             back = all_to_all(sent, chunk.output_splits, chunk.input_splits)
             all_to_all(back, chunk.input_splits, chunk.output_splits)
             t5 = time.perf_counter()
-            for key, seconds in zip(samples, (t1 - t0, t2 - t1, t3 - t2, t5 - t4)):
+            dist.barrier()
+            t6 = time.perf_counter()
+            a2a._permute(x, ids, probs)  # permute + count exchange + host sync + regroup indices
+            t7 = time.perf_counter()
+            for key, seconds in zip(samples, (t1 - t0, t2 - t1, t3 - t2, t5 - t4, t7 - t6)):
                 samples[key].append(seconds)
         for values in samples.values():
             del values[0]  # the first round warmed up
@@ -142,7 +149,7 @@ def run_case(rank: int, ep: int, case: EPCase, repeats: int) -> dict[str, list[f
             (disp(x, ids, probs, experts) * grad_out).sum().backward()
 
         timed[f"fwd_{name}"], timed[f"fwdbwd_{name}"] = fwd, fwdbwd
-    samples.update(_interleaved(timed, repeats))
+    samples.update(_consecutive(timed, repeats))
     return samples
 
 
@@ -212,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "case",
         "EP",
         "MiB/a2a",
+        "route",
         "dispatch",
         "experts",
         "combine",
@@ -235,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             *(
                 f"{ms[k]:.1f}"
                 for k in (
+                    "route",
                     "dispatch",
                     "experts",
                     "combine",
