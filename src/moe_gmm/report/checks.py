@@ -1,4 +1,4 @@
-"""Small comparison helpers that turn tensors into report rows.
+"""Comparison functions that turn tensors into report rows.
 
 "eager" is the per-expert loop (``fused=False``), the numerical truth; "fused" is the backend under
 test. Every numeric check comes as up to two rows:
