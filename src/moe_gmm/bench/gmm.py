@@ -228,7 +228,7 @@ def gmm_impls(names: list[str] | None = None, device: str = "cpu") -> list[Impl]
 
 def auto_backend_name(dtype: torch.dtype = torch.float32) -> str:
     """The backend ``grouped_matmul`` picks for CPU inputs of ``dtype``."""
-    return select_backend(torch.empty(1, 1, dtype=dtype), torch.empty(1, 1, 1, dtype=dtype)).name
+    return select_backend(torch.empty(8, 64, dtype=dtype), torch.empty(2, 64, 64, dtype=dtype)).name
 
 
 _DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
