@@ -104,6 +104,7 @@ class TimingSettings:
 
 @dataclass(frozen=True)
 class Timing:
+    min_s: float
     median_s: float
     p20_s: float
     p80_s: float
@@ -124,6 +125,7 @@ def timing_from_samples(samples: Sequence[float]) -> Timing:
         raise ValueError("samples must hold at least one time")
     ordered = sorted(samples)
     return Timing(
+        min_s=ordered[0],
         median_s=statistics.median(ordered),
         p20_s=_quantile(ordered, 0.2),
         p80_s=_quantile(ordered, 0.8),
@@ -363,6 +365,7 @@ def _run_case(
             row.update(
                 {
                     "median_s": t.median_s,
+                    "min_s": t.min_s,
                     "p20_s": t.p20_s,
                     "p80_s": t.p80_s,
                     "repeats": t.repeats,

@@ -32,6 +32,7 @@ BACKEND_ENV_VAR = "MOE_GMM_BACKEND"
 # touched when the registry is consulted.
 _BUILTIN_MODULES: dict[str, str] = {
     "eager": "moe_gmm.ops.backends.eager",
+    "cpu": "moe_gmm.ops.backends.cpu",
     "torch": "moe_gmm.ops.backends.torch_native",
     "triton": "moe_gmm.ops.backends.triton",
     "npu": "moe_gmm.ops.backends.npu",
@@ -44,7 +45,7 @@ _BUILTIN_MODULES: dict[str, str] = {
 # cpu: triton only runs in the interpreter there, far slower than any other backend, so it is
 # never picked automatically.
 AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
-    "cpu": ("torch", "eager"),
+    "cpu": ("cpu", "torch", "eager"),
     "cuda": ("torch", "triton", "eager"),
     # npu: the vendor kernel whenever torch_npu and a device are present (untested on hardware here).
     "npu": ("npu", "eager"),

@@ -1,0 +1,175 @@
+"""The ``cpu`` backend: both of its strategies (padded bmm, loop) held to the grouped-matmul contract.
+
+The generic contract tests (tests/ops/test_grouped_matmul.py, test_backend_contract.py) already
+run every registered CPU backend, this one included, through ``auto``-style dispatch; here each
+strategy is forced, so that small test shapes cannot all land on one path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_gmm import grouped_matmul
+from moe_gmm.ops.backends import cpu, get_backend
+from moe_gmm.testing import (
+    assert_rel_close,
+    gmm_inputs,
+    reference_grouped_matmul,
+    reference_grouped_matmul_grads,
+    tolerance_for,
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(params=["padded", "loop"])
+def strategy(request, monkeypatch):
+    """Force one strategy by moving the thresholds of the plan (the code paths stay the real ones)."""
+    if request.param == "padded":
+        monkeypatch.setattr(cpu, "MAX_ROWS", 10**9)
+        monkeypatch.setattr(cpu, "MAX_PAD_WASTE", float("inf"))
+    else:
+        monkeypatch.setattr(cpu, "MAX_ROWS", -1)
+        monkeypatch.setattr(cpu, "SMALL_ROWS", -1)
+    return request.param
+
+
+def _plan_strategy(counts):
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    return cpu.plan(bounds, max_rows=cpu.MAX_ROWS, max_pad_waste=cpu.MAX_PAD_WASTE).strategy
+
+
+def _check(counts, k, n, dtype, *, transposed_weight=False, seed=0, expanded_grad=False):
+    x, w, group_list = gmm_inputs(counts, k, n, dtype, transposed_weight=transposed_weight, seed=seed)
+    tol = tolerance_for(dtype)
+    dy = torch.randn(x.shape[0], n, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    if expanded_grad:
+        dy = torch.ones(1, 1, dtype=dtype).expand(x.shape[0], n)
+    results = {}
+    for backend in ("eager", "cpu"):
+        x_ = x.detach().clone().requires_grad_(True)
+        w_ = w.detach().clone() if not transposed_weight else w.detach().transpose(1, 2).clone().transpose(1, 2)
+        w_.requires_grad_(True)
+        y = grouped_matmul(x_, w_, group_list, backend=backend)
+        y.backward(dy)
+        results[backend] = (y.detach(), x_.grad, w_.grad)
+    y_ref = reference_grouped_matmul(x, w, counts)
+    dx_ref, dw_ref = reference_grouped_matmul_grads(x, w, counts, dy)
+    for what, got, ref, eager in zip(("forward", "grad_input", "grad_weight"), results["cpu"], (y_ref, dx_ref, dw_ref),
+                                     results["eager"]):
+        assert got.dtype == dtype and got.shape == ref.shape
+        assert_rel_close(got, ref, tol.rel, f"cpu {what} vs float64")
+        torch.testing.assert_close(got, eager, rtol=tol.rtol, atol=tol.atol, msg=f"cpu {what} vs eager")
+    dw = results["cpu"][2]
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert bool((dw[e] == 0).all()), f"expert {e} has no rows: its grad_weight must be exactly zero"
+
+
+CASES = {
+    "uniform": ([4, 4, 4, 4], 16, 32),
+    "uneven": ([5, 3, 2], 8, 16),
+    "empty_first_middle_last": ([0, 6, 0, 3, 0], 16, 24),
+    "all_rows_one_expert": ([0, 0, 12, 0], 16, 16),
+    "single_expert": ([9], 16, 16),
+    "no_rows": ([0, 0, 0], 16, 16),
+    "odd_k_n": ([2, 5, 1], 7, 13),
+    "one_row_each": ([1, 1, 1, 1], 16, 16),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cases_vs_float64_and_eager(strategy, dtype, case):
+    counts, k, n = CASES[case]
+    assert _plan_strategy(counts) == ("loop" if sum(counts) == 0 else strategy)
+    _check(counts, k, n, dtype)
+
+
+@pytest.mark.parametrize("transposed_weight", [False, True])
+def test_weight_layouts(strategy, transposed_weight):
+    _check([5, 0, 3, 8], 32, 16, torch.float32, transposed_weight=transposed_weight)
+
+
+def test_expanded_grad_output(strategy):
+    _check([3, 0, 4], 16, 8, torch.float32, expanded_grad=True)
+
+
+def test_many_mostly_empty_experts(strategy):
+    counts = [0] * 300
+    for e, c in ((3, 5), (100, 1), (299, 4), (256, 7)):
+        counts[e] = c
+    _check(counts, 16, 8, torch.bfloat16)
+
+
+def test_writes_everything_and_zero_grad_for_empty_experts_under_poison(strategy, poisoned_memory):
+    # torch.empty returns NaN here, scratch buffers included: nothing unwritten may reach a result.
+    cpu.release_workspace()
+    counts = [0, 7, 0, 0, 9, 0, 2]
+    x, w, _ = gmm_inputs(counts, 16, 32)
+    dy = torch.randn(x.shape[0], 32)
+    ends = torch.tensor(counts).cumsum(0)
+    impl = get_backend("cpu")
+    for _ in range(2):  # the second call reuses scratch that now holds stale rows
+        y = impl.forward(x, w, ends)
+        dx = impl.grad_input(dy, w, ends)
+        dw = impl.grad_weight(x, dy, ends)
+        dx_ref, dw_ref = reference_grouped_matmul_grads(x, w, counts, dy)
+        assert_rel_close(y, reference_grouped_matmul(x, w, counts), 1e-5, "forward")
+        assert_rel_close(dx, dx_ref, 1e-5, "grad_input")
+        assert_rel_close(dw, dw_ref, 1e-5, "grad_weight")
+        assert bool((dw[[0, 2, 3, 5]] == 0).all())
+
+
+def test_scratch_reuse_does_not_alias_results(strategy):
+    counts = [3, 2, 3]
+    x, w, _ = gmm_inputs(counts, 8, 8)
+    ends = torch.tensor(counts).cumsum(0)
+    y1 = get_backend("cpu").forward(x, w, ends)
+    kept = y1.clone()
+    get_backend("cpu").forward(x * 2, w, ends)  # would overwrite y1 if y1 were scratch
+    assert torch.equal(y1, kept)
+
+
+def test_plan_choice():
+    # Small, even groups: one padded bmm. Big groups, or padding that multiplies the rows: the loop.
+    assert cpu.plan([0, 4, 8, 12, 16]).strategy == "padded"
+    assert cpu.plan([0, 4, 8, 12, 16]).padded_rows == 4
+    assert cpu.plan([0, 1000, 2000]).strategy == "loop"  # few big groups: the loop is near peak
+    assert cpu.plan([0, 200, 390, 600]).strategy == "padded"  # mid-size, little padding
+    skewed = [0, 60] + [60] * 30  # one expert with 60 rows, 30 empty ones
+    assert cpu.plan(skewed).strategy == "loop"
+    assert cpu.plan([0, 300] + [300] * 3).strategy == "loop"  # padding would multiply the rows
+    assert cpu.plan([0, 0, 0]).strategy == "loop"
+
+
+def test_registered_and_first_for_cpu():
+    from moe_gmm.ops.backends import AUTO_PRIORITY, select_backend
+
+    assert get_backend("cpu").devices == frozenset({"cpu"})
+    assert AUTO_PRIORITY["cpu"][0] == "cpu"
+    assert select_backend(torch.zeros(4, 8), torch.zeros(2, 8, 8)).name == "cpu"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 9), min_size=1, max_size=12),
+    k=st.integers(1, 24),
+    n=st.integers(1, 24),
+    dtype=st.sampled_from(DTYPES),
+    force_padded=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_groups(counts, k, n, dtype, force_padded, seed):
+    limits = (10**9, float("inf"), 10**9) if force_padded else (-1, 0.0, -1)
+    saved = cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS
+    cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS = limits
+    try:
+        _check(counts, k, n, dtype, seed=seed)
+    finally:
+        cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS = saved
