@@ -135,3 +135,36 @@ def test_plan_from_reference_config_mapping_and_dataclass():
         EPPlan.from_config({"expert_parallel_size": 2, "ep_plan": {"apply_modules": ["a"], "use_npu_fused_ops": True}})
     with pytest.raises(ValueError, match=r"parallel: unknown keys \['expert_parallel'\]"):
         EPPlan.from_config({"expert_parallel": 2})
+
+
+def test_reference_397b_plan_on_a_real_multimodal_qwen3_5_moe_module_tree():
+    """The reference config's plan, on the module names of a tiny Hugging Face Qwen3.5-MoE with a vision tower."""
+    transformers = pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from moe_gmm.config import load_config
+    from moe_gmm.parallel.layout import experts_layout
+
+    text = {
+        "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 16,
+        "num_experts_per_tok": 3, "shared_expert_intermediate_size": 24, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "layer_types": ["linear_attention", "full_attention"],
+    }  # fmt: skip
+    vision = {
+        "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+        "patch_size": 4, "temporal_patch_size": 1, "spatial_merge_size": 1,
+    }  # fmt: skip
+    model = transformers.Qwen3_5MoeForConditionalGeneration(
+        transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+    )
+    plan = EPPlan.from_config(load_config(Path(__file__).parents[2] / "configs" / "qwen3_5_397b.yaml").parallel)
+    assert plan.expert_parallel_size == 16 and plan.apply_modules == ("model.language_model.layers.{*}.mlp.experts",)
+    modules = dict(model.named_modules())
+    matched = plan.match(modules)
+    assert matched == ["model.language_model.layers.0.mlp.experts", "model.language_model.layers.1.mlp.experts"]
+    layout, _ = experts_layout(modules[matched[0]])
+    assert layout is not None and layout.num_experts == 16 and not layout.in_out and not layout.hf_transpose
+    layout, why = experts_layout(modules["model.language_model.layers.0.mlp.shared_expert"])
+    assert layout is None and "no 3-D gate_up_proj" in why
