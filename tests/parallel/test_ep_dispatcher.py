@@ -25,6 +25,9 @@ pytestmark = pytest.mark.distributed
 
 HIDDEN, INTER = 8, 4
 LIMIT = 1e-5  # fp32 relative-norm error
+# Overlapped vs one-chunk: the same per-row math, but each chunk's grouped matmul sees fewer rows
+# (CPU GEMM kernels block by row count, so not bitwise) and expert grads sum over chunks.
+OVERLAP_LIMIT = 1e-6
 BF16_LIMIT = 1e-2
 
 ROUTINGS = {
@@ -120,7 +123,6 @@ def _dispatch_worker(rank: int, ep: int, cases: list) -> list:
             ovl = _run(inputs, OverlappedAllToAllDispatcher(num_experts, num_chunks=chunks), rows, experts)
             entry[f"overlap{chunks}"] = {k: relative_error(ovl[k], ref_local[k]) for k in ref_local}
             entry[f"overlap{chunks}_vs_alltoall"] = {k: relative_error(ovl[k], a2a[k]) for k in a2a}
-            entry[f"overlap{chunks}_out_bitwise"] = torch.equal(ovl["out"], a2a["out"])
         if i == 0:  # bf16 rows travel as bf16; same math per row as the single-process bf16 run
             ref16 = _run(inputs, dtype=torch.bfloat16)
             ref16 = {
@@ -156,10 +158,10 @@ def test_dispatchers_equal_single_process(ep):
     for rank_report in reports:
         for entry in rank_report:
             where = f"EP={ep} rank {entry['rank']} E,k,routing={entry['case']}"
-            for key in [
-                k for k in entry if k.startswith(("alltoall", "overlap", "bf16")) and not k.endswith("bitwise")
-            ]:
-                limit = BF16_LIMIT if key.startswith("bf16") else LIMIT
+            for key in [k for k in entry if k.startswith(("alltoall", "overlap", "bf16"))]:
+                limit = (
+                    BF16_LIMIT if key.startswith("bf16") else OVERLAP_LIMIT if key.endswith("_vs_alltoall") else LIMIT
+                )
                 for tensor, err in entry[key].items():
                     assert err < limit, f"{where}: {key} {tensor} relative error {err:.2e}"
             assert entry["zero_grad_ok"], f"{where}: a shard that received nothing has non-zero gradients"

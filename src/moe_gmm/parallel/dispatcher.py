@@ -200,7 +200,9 @@ class OverlappedAllToAllDispatcher(AllToAllDispatcher):
     the same pipeline in reverse (reverse exchanges started by autograd nodes that do not wait). On
     nccl the exchanges run on their own stream, so this hides up to min(exchange, compute) per
     chunk; the price is C smaller grouped matmuls instead of one. Results equal the one-chunk
-    dispatcher's up to the summation order of the expert-weight gradients (over chunks).
+    dispatcher's up to rounding: each row sees the same math, but a GEMM kernel may block its
+    reduction differently for fewer rows, and expert-weight gradients are summed over chunks
+    (measured: relative difference below 3e-7 in fp32).
     """
 
     def __init__(
