@@ -78,6 +78,15 @@ def _checkpoint_worker(rank: int, world: int, root: str) -> dict:
     load_ep_checkpoint(m4b, root / "ep1")
     checks["ep1_to_ep4"] = _matches(m4b, full, rank, 4)
 
+    # A model too big for one device: built on the meta device, sharded, then only the local shard
+    # is allocated and read from the files.
+    with torch.device("meta"):
+        meta = _model(seed=0, num_experts=8)
+    apply_expert_parallel(meta, None, EPPlan(4, [PATTERN]))
+    meta.to_empty(device="cpu")
+    load_ep_checkpoint(meta, root / "ep1")
+    checks["meta_ep4"] = _matches(meta, full, rank, 4)
+
     # Errors: a model with other expert counts, and a sharded model saved with the wrong group.
     other = _model(seed=0, num_experts=16)
     try:
@@ -95,7 +104,7 @@ def _checkpoint_worker(rank: int, world: int, root: str) -> dict:
 
 def test_checkpoint_resharding_round_trips(tmp_path):
     for rank, checks in enumerate(run_ranks(_checkpoint_worker, 4, str(tmp_path), timeout_s=120)):
-        for name in ("ep2_differs_before_load", "ep4_to_ep2", "ep2_to_ep1", "ep1_to_ep4"):
+        for name in ("ep2_differs_before_load", "ep4_to_ep2", "ep2_to_ep1", "ep1_to_ep4", "meta_ep4"):
             assert checks[name] is True, f"rank {rank}: {name}"
         assert "has shape (8," in checks["wrong_E"] and "expects (16," in checks["wrong_E"], checks["wrong_E"]
         assert "sharded as rank" in checks["wrong_group"], checks["wrong_group"]

@@ -15,6 +15,10 @@ expert tensor is gathered on the rank that writes it, one tensor at a time, so n
 than one whole expert tensor beyond its shards. Loading needs no communication: each rank reads
 only its rows ``[r * E / ep, (r + 1) * E / ep)`` of each expert tensor from the file (a slice read).
 All ranks must see the same directory (a shared filesystem across nodes).
+
+For a model too large for one device: build it under ``torch.device("meta")``, call
+``apply_expert_parallel``, then ``model.to_empty(device=...)`` (allocating only the local expert
+shards) and :func:`load_ep_checkpoint`.
 """
 
 from __future__ import annotations
