@@ -92,7 +92,7 @@ def test_gmm_case_inputs_are_deterministic_and_transposed_view_is_a_view():
     assert enk.w_EKN.shape == (4, 8, 8) and not enk.w_EKN.is_contiguous()
 
 
-@pytest.mark.parametrize("name", ["quick", "qwen", "sweep", "full"])
+@pytest.mark.parametrize("name", ["quick", "results", "qwen", "sweep", "full"])
 def test_case_sets_cover_both_projections(name):
     cases = case_set(name)
     assert {c.projection for c in cases} == {"gate_up", "down"}

@@ -178,12 +178,25 @@ def case_set(name: str) -> list[GmmCase]:
         out += _both(num_experts=64, top_k=2, num_tokens=4096, hidden=1024, intermediate=512, routing="skewed")
         out += _both(num_experts=256, top_k=8, num_tokens=2048, hidden=1024, intermediate=256, routing="skewed")
         return out
+    if name == "results":
+        # The reduced set recorded in benchmarks/RESULTS.md (a full run fits in ~10 minutes on 2 cores).
+        out = []
+        for e, k, t, h, i, routing in (
+            (256, 8, 128, 1024, 256, "uniform"),  # decode-like, 4 rows per expert
+            (256, 8, 512, 1024, 256, "uniform"),  # 16 rows per expert
+            (128, 2, 4096, 1024, 512, "uniform"),  # 64 rows per expert
+            (64, 8, 512, 2048, 512, "uniform"),  # Qwen3.5 proportions, 64 rows per expert
+            (8, 2, 4096, 1024, 512, "uniform"),  # few big groups
+            (256, 8, 2048, 1024, 256, "skewed"),  # 3/4 of the experts empty
+        ):
+            out += _both(num_experts=e, top_k=k, num_tokens=t, hidden=h, intermediate=i, routing=routing)
+        return out
     if name == "full":
         return case_set("qwen") + case_set("sweep")
     raise ValueError(f"case set must be one of {sorted(CASE_SETS)}, got {name!r}")
 
 
-CASE_SETS = ("quick", "qwen", "sweep", "full")
+CASE_SETS = ("quick", "results", "qwen", "sweep", "full")
 
 
 def _backend_impl(name: str) -> Impl:

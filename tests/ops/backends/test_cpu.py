@@ -29,6 +29,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def strategy(request, monkeypatch):
     """Force one strategy by moving the thresholds of the plan (the code paths stay the real ones)."""
     if request.param == "padded":
+        monkeypatch.setattr(cpu, "MIN_THREADS", 1)
         monkeypatch.setattr(cpu, "MAX_ROWS", 10**9)
         monkeypatch.setattr(cpu, "MAX_PAD_WASTE", float("inf"))
     else:
@@ -41,7 +42,7 @@ def _plan_strategy(counts):
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
-    return cpu.plan(bounds, max_rows=cpu.MAX_ROWS, max_pad_waste=cpu.MAX_PAD_WASTE).strategy
+    return cpu.plan(bounds).strategy
 
 
 def _check(counts, k, n, dtype, *, transposed_weight=False, seed=0, expanded_grad=False):
@@ -136,8 +137,9 @@ def test_scratch_reuse_does_not_alias_results(strategy):
     assert torch.equal(y1, kept)
 
 
-def test_plan_choice():
+def test_plan_choice(monkeypatch):
     # Small, even groups: one padded bmm. Big groups, or padding that multiplies the rows: the loop.
+    monkeypatch.setattr(cpu, "MIN_THREADS", 1)
     assert cpu.plan([0, 4, 8, 12, 16]).strategy == "padded"
     assert cpu.plan([0, 4, 8, 12, 16]).padded_rows == 4
     assert cpu.plan([0, 1000, 2000]).strategy == "loop"  # few big groups: the loop is near peak
@@ -146,6 +148,8 @@ def test_plan_choice():
     assert cpu.plan(skewed).strategy == "loop"
     assert cpu.plan([0, 300] + [300] * 3).strategy == "loop"  # padding would multiply the rows
     assert cpu.plan([0, 0, 0]).strategy == "loop"
+    monkeypatch.setattr(cpu, "MIN_THREADS", torch.get_num_threads() + 1)
+    assert cpu.plan([0, 4, 8, 12, 16]).strategy == "loop"  # one thread: no fork/join to save
 
 
 def test_registered_and_first_for_cpu():
@@ -167,9 +171,10 @@ def test_registered_and_first_for_cpu():
 )
 def test_random_groups(counts, k, n, dtype, force_padded, seed):
     limits = (10**9, float("inf"), 10**9) if force_padded else (-1, 0.0, -1)
-    saved = cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS
+    saved = cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS, cpu.MIN_THREADS
     cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS = limits
+    cpu.MIN_THREADS = 1
     try:
         _check(counts, k, n, dtype, seed=seed)
     finally:
-        cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS = saved
+        cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS, cpu.MIN_THREADS = saved

@@ -47,10 +47,15 @@ class GmmPlan:
     counts: tuple[int, ...]
 
 
-# Thresholds of the strategy choice, measured on the benchmark set (benchmarks/RESULTS.md): one
-# padded bmm beat grouped_mm's loop 1.7-7x whenever groups were <= a few hundred rows and padding
-# added <= ~1.4x rows; with few big groups (E=8, 1024 rows each) the loop was 1.2-1.6x faster.
+# Thresholds of the strategy choice, measured on the benchmark set (benchmarks/RESULTS.md).
+# With 2 threads, one padded bmm beat grouped_mm's loop 1.7-7x whenever groups were <= a few
+# hundred rows and padding added <= ~1.4x rows: the loop forks and joins the BLAS threads once
+# per expert, and on a busy machine every join waits for a descheduled thread, while bmm splits
+# the batch between threads once. With one thread there is no join to save and the loop was
+# 1.1-1.4x faster (bmm pays the padding and the gather back), so ``padded`` needs >= 2 threads.
+# With few big groups (E=8, 1024 rows each) the loop was 1.2-1.6x faster at any thread count.
 # Tiny groups (decode) read far more weight bytes than they compute, so padding them is cheap.
+MIN_THREADS = 2
 MAX_ROWS = 768
 MAX_PAD_WASTE = 1.5
 SMALL_ROWS = 64
@@ -60,16 +65,16 @@ SMALL_PAD_WASTE = 3.0
 def plan(bounds: list[int], *, max_rows: int | None = None, max_pad_waste: float | None = None) -> GmmPlan:
     """Choose the strategy for group bounds ``[0, end_0, ..., end_{E-1}]`` (defaults: the module's thresholds).
 
-    ``padded`` when the largest group P and the padding waste ``E * P / M`` are both small enough:
-    P <= ``max_rows`` with waste <= ``max_pad_waste``, or P <= ``SMALL_ROWS`` with waste <=
-    ``SMALL_PAD_WASTE``; otherwise ``loop``.
+    ``padded`` when torch runs at least ``MIN_THREADS`` intra-op threads and the largest group P
+    and the padding waste ``E * P / M`` are both small enough: P <= ``max_rows`` with waste <=
+    ``max_pad_waste``, or P <= ``SMALL_ROWS`` with waste <= ``SMALL_PAD_WASTE``; otherwise ``loop``.
     """
     max_rows = MAX_ROWS if max_rows is None else max_rows
     max_pad_waste = MAX_PAD_WASTE if max_pad_waste is None else max_pad_waste
     counts = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     num_rows = bounds[-1]
     largest = max(counts, default=0)
-    if num_rows == 0:
+    if num_rows == 0 or torch.get_num_threads() < MIN_THREADS:
         return GmmPlan("loop", 0, counts)
     waste = len(counts) * largest / num_rows
     small = largest <= min(SMALL_ROWS, max_rows) and waste <= max(SMALL_PAD_WASTE, max_pad_waste)
