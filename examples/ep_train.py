@@ -4,6 +4,7 @@ Run (CPU, gloo; any N that divides the 8 experts)::
 
     torchrun --nproc-per-node 2 examples/ep_train.py
     torchrun --nproc-per-node 4 examples/ep_train.py --dispatcher alltoall_overlap --steps 5
+    torchrun --nproc-per-node 4 examples/ep_train.py --ep 2      # 2 data-parallel replicas of EP 2
 
 What it shows, in order: join a process group with a timeout; build the same model on every
 rank; shard its routed experts with ``apply_expert_parallel`` (each rank keeps E/N experts, the
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from moe_gmm.integrations.transformers import register_moe_gmm_experts
-from moe_gmm.parallel import EPPlan, apply_expert_parallel, sync_gradients
+from moe_gmm.parallel import EPPlan, apply_expert_parallel, expert_parallel_groups, sync_gradients
 from moe_gmm.parallel.checkpoint import load_ep_checkpoint, save_ep_checkpoint
 
 
@@ -52,6 +53,12 @@ def main() -> None:
     parser.add_argument("--per-rank-batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--dispatcher", choices=["alltoall", "alltoall_overlap"], default="alltoall")
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="EP size (default: all processes); fewer makes world/ep data-parallel replicas of each EP group",
+    )
     parser.add_argument("--no-check", dest="check", action="store_false")
     parser.add_argument("--out", default=None, help="checkpoint directory (default: a temporary one)")
     args = parser.parse_args()
@@ -61,17 +68,24 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
 
+    ep = args.ep or world
+    if ep == world:
+        ep_group, sync = dist.group.WORLD, {}
+    else:  # consecutive ranks form an EP group; ranks holding the same shard form an expert-DP group
+        ep_group, expert_dp_group = expert_parallel_groups(ep)
+        sync = {"dense_group": dist.group.WORLD, "expert_dp_group": expert_dp_group}
+
     model = build_model(seed=0)
-    plan = EPPlan(
-        expert_parallel_size=world, apply_modules=["model.layers.{*}.mlp.experts"], dispatcher=args.dispatcher
-    )
-    sharded = apply_expert_parallel(model, dist.group.WORLD, plan)
+    plan = EPPlan(expert_parallel_size=ep, apply_modules=["model.layers.{*}.mlp.experts"], dispatcher=args.dispatcher)
+    sharded = apply_expert_parallel(model, ep_group, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built after sharding
     replica = build_model(seed=0) if (args.check and rank == 0) else None
     replica_opt = torch.optim.AdamW(replica.parameters(), lr=1e-3) if replica is not None else None
     if rank == 0:
         local = model.model.layers[0].mlp.experts.gate_up_proj.shape[0]
-        print(f"EP={world} dispatcher={args.dispatcher}: sharded {sharded}, {local} of 8 experts per rank")
+        print(
+            f"EP={ep} x DP={world // ep} dispatcher={args.dispatcher}: sharded {sharded}, {local} of 8 experts per rank"
+        )
 
     batch = args.per_rank_batch * world
     for step in range(args.steps):
@@ -80,7 +94,7 @@ def main() -> None:
         optimizer.zero_grad()
         loss = model(input_ids=mine, labels=mine).loss  # mean over this rank's tokens
         loss.backward()
-        sync_gradients(model, dist.group.WORLD)  # average replicated grads; experts / N
+        sync_gradients(model, ep_group, **sync)  # average replicated grads; experts / world
         optimizer.step()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
@@ -100,7 +114,9 @@ def main() -> None:
     out = args.out or (tempfile.mkdtemp(prefix="ep_ckpt_") if rank == 0 else None)
     box = [out]
     dist.broadcast_object_list(box)  # every rank writes into rank 0's directory
-    save_ep_checkpoint(model, box[0], dist.group.WORLD)
+    if rank < ep:  # one EP group holds the whole model; the one with rank 0 saves it
+        save_ep_checkpoint(model, box[0], ep_group)
+    dist.barrier()
     if rank == 0:
         print(f"checkpoint: {sorted(os.listdir(box[0]))}")
         if args.check:

@@ -41,7 +41,7 @@ def test_torchrun_ep_train_example(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "EP=2 dispatcher=alltoall" in out and "4 of 8 experts per rank" in out
+    assert "EP=2 x DP=1 dispatcher=alltoall" in out and "4 of 8 experts per rank" in out
     assert "step 1: loss" in out
     assert "rank 0's experts bitwise equal: True" in out
     assert (tmp_path / "model.safetensors.index.json").exists()
