@@ -210,3 +210,14 @@ def test_main_quick_path_writes_json(tmp_path, monkeypatch):
     assert data["command"].startswith("python -m benchmarks.run_gmm --quick")
     with pytest.raises(SystemExit):
         gmm_bench.main(["--dtype", "fp8"])
+
+
+def test_set_limits_recomputes_floors_and_merge_takes_the_better():
+    report = _report(gmm_impls(["torch"]), modes=("fwd",))
+    faster = Limits(peak_flops={"fp32": 1e12, "bf16": 2e12}, copy_bandwidth=1e11, gemm_sizes=(64,), copy_mib=1)
+    merged = LIMITS.merged(faster)
+    assert merged.peak_flops == {"fp32": 1e12, "bf16": 2e12} and merged.copy_bandwidth == 1e11
+    before = {r["impl"]: r["x_floor"] for r in report.rows}
+    report.set_limits(merged)
+    for row in report.rows:
+        assert row["x_floor"] == pytest.approx(before[row["impl"]] * 10)  # both limits 10x higher

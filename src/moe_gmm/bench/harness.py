@@ -223,6 +223,16 @@ class BenchReport:
             "summary": summarize(self.rows, self.reference),
         }
 
+    def set_limits(self, limits: Limits) -> None:
+        """Use ``limits`` (e.g. the better of measurements before and after the run) for every floor."""
+        self.limits = limits
+        for row in self.rows:
+            compute_s = row["flops"] / limits.peak_flops[row["dtype"]]
+            memory_s = row["min_bytes"] / limits.copy_bandwidth
+            row["floor_s"], row["bound"] = (compute_s, "compute") if compute_s >= memory_s else (memory_s, "memory")
+            if row.get("median_s") is not None:
+                row["x_floor"] = row["median_s"] / row["floor_s"]
+
     def write_json(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ ratio to the *roofline floor*, the least time the work could take on this machin
 
     floor = max(flops / peak_gemm_rate[dtype], min_bytes / copy_bandwidth)
 
-- ``peak_gemm_rate``: the best median rate of a large square ``torch.mm`` (n = 2048, 3072) in the
+- ``peak_gemm_rate``: the best rate of a large square ``torch.mm`` (n = 2048, 3072) in the
   benchmark's dtype, i.e. what the BLAS this torch ships (MKL for fp32, oneDNN for bf16) reaches
   on one big GEMM with all of torch's threads.
 - ``copy_bandwidth``: a ``dst.copy_(src)`` of a buffer far larger than the caches, counting one
@@ -145,6 +145,17 @@ class Limits:
     copy_mib: int
     seconds_spent: float = 0.0
 
+    def merged(self, other: "Limits") -> "Limits":
+        """The higher of two measurements of each limit (e.g. before and after a run)."""
+        peaks = {k: max(v, other.peak_flops.get(k, 0.0)) for k, v in self.peak_flops.items()}
+        return Limits(
+            peak_flops=peaks,
+            copy_bandwidth=max(self.copy_bandwidth, other.copy_bandwidth),
+            gemm_sizes=self.gemm_sizes,
+            copy_mib=self.copy_mib,
+            seconds_spent=self.seconds_spent + other.seconds_spent,
+        )
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -155,37 +166,38 @@ class Limits:
         return self.peak_flops[name]
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def _best_seconds(fn, repeats: int) -> float:
+    """Least time of ``repeats`` calls: a limit is what the machine can do, and on a shared machine
+    other processes only ever add time, so the fastest call is the least disturbed estimate."""
     fn()  # warm-up: first-call allocation, BLAS kernel selection, page faults
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+    return min(times)
 
 
 def measure_peak_gemm(dtype: torch.dtype, sizes: tuple[int, ...] = (2048, 3072), repeats: int = 5) -> float:
-    """Best median FLOP/s of ``torch.mm(a, b, out=c)`` over square sizes ``n`` (preallocated output)."""
+    """Best FLOP/s of ``torch.mm(a, b, out=c)`` over square sizes ``n`` (preallocated output)."""
     best = 0.0
     g = torch.Generator().manual_seed(0)
     for n in sizes:
         a = torch.randn(n, n, generator=g).to(dtype)
         b = torch.randn(n, n, generator=g).to(dtype)
         c = torch.empty(n, n, dtype=dtype)
-        seconds = _median_seconds(lambda: torch.mm(a, b, out=c), repeats)
+        seconds = _best_seconds(lambda: torch.mm(a, b, out=c), repeats)
         best = max(best, 2.0 * n**3 / seconds)
     return best
 
 
 def measure_copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
-    """Median bytes/s of ``dst.copy_(src)`` on ``mib`` MiB, counting the read and the write."""
+    """Best bytes/s of ``dst.copy_(src)`` on ``mib`` MiB, counting the read and the write."""
     numel = mib * 2**20 // 4
     src = torch.ones(numel, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch outside the timing: page faults are not bandwidth
-    seconds = _median_seconds(lambda: dst.copy_(src), repeats)
+    seconds = _best_seconds(lambda: dst.copy_(src), repeats)
     return 2.0 * numel * 4 / seconds
 
 

@@ -31,18 +31,20 @@ def strategy(request, monkeypatch):
     if request.param == "padded":
         monkeypatch.setattr(cpu, "MIN_THREADS", 1)
         monkeypatch.setattr(cpu, "MAX_ROWS", 10**9)
+        monkeypatch.setattr(cpu, "MAX_ROWS_FP32", 10**9)
         monkeypatch.setattr(cpu, "MAX_PAD_WASTE", float("inf"))
     else:
         monkeypatch.setattr(cpu, "MAX_ROWS", -1)
+        monkeypatch.setattr(cpu, "MAX_ROWS_FP32", -1)
         monkeypatch.setattr(cpu, "SMALL_ROWS", -1)
     return request.param
 
 
-def _plan_strategy(counts):
+def _plan_strategy(counts, dtype):
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
-    return cpu.plan(bounds).strategy
+    return cpu.plan(bounds, dtype).strategy
 
 
 def _check(counts, k, n, dtype, *, transposed_weight=False, seed=0, expanded_grad=False):
@@ -88,7 +90,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cases_vs_float64_and_eager(strategy, dtype, case):
     counts, k, n = CASES[case]
-    assert _plan_strategy(counts) == ("loop" if sum(counts) == 0 else strategy)
+    assert _plan_strategy(counts, dtype) == ("loop" if sum(counts) == 0 else strategy)
     _check(counts, k, n, dtype)
 
 
@@ -143,7 +145,9 @@ def test_plan_choice(monkeypatch):
     assert cpu.plan([0, 4, 8, 12, 16]).strategy == "padded"
     assert cpu.plan([0, 4, 8, 12, 16]).padded_rows == 4
     assert cpu.plan([0, 1000, 2000]).strategy == "loop"  # few big groups: the loop is near peak
-    assert cpu.plan([0, 200, 390, 600]).strategy == "padded"  # mid-size, little padding
+    assert cpu.plan([0, 200, 390, 600]).strategy == "padded"  # mid-size, little padding (bf16)
+    assert cpu.plan([0, 200, 390, 600], torch.float32).strategy == "loop"  # MKL's small fp32 GEMMs are cheap
+    assert cpu.plan([0, 4, 8, 12, 16], torch.float32).strategy == "padded"
     skewed = [0, 60] + [60] * 30  # one expert with 60 rows, 30 empty ones
     assert cpu.plan(skewed).strategy == "loop"
     assert cpu.plan([0, 300] + [300] * 3).strategy == "loop"  # padding would multiply the rows
@@ -171,10 +175,10 @@ def test_registered_and_first_for_cpu():
 )
 def test_random_groups(counts, k, n, dtype, force_padded, seed):
     limits = (10**9, float("inf"), 10**9) if force_padded else (-1, 0.0, -1)
-    saved = cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS, cpu.MIN_THREADS
+    saved = cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS, cpu.MIN_THREADS, cpu.MAX_ROWS_FP32
     cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS = limits
-    cpu.MIN_THREADS = 1
+    cpu.MIN_THREADS, cpu.MAX_ROWS_FP32 = 1, limits[0]
     try:
         _check(counts, k, n, dtype, seed=seed)
     finally:
-        cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS, cpu.MIN_THREADS = saved
+        cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS, cpu.MIN_THREADS, cpu.MAX_ROWS_FP32 = saved

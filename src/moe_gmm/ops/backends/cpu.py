@@ -54,22 +54,33 @@ class GmmPlan:
 # the batch between threads once. With one thread there is no join to save and the loop was
 # 1.1-1.4x faster (bmm pays the padding and the gather back), so ``padded`` needs >= 2 threads.
 # With few big groups (E=8, 1024 rows each) the loop was 1.2-1.6x faster at any thread count.
+# float32 (MKL) has cheap small GEMMs: with 64-90 rows per expert the loop won 1.1-1.3x, so fp32
+# pads only tiny groups; bf16/fp16 (oneDNN) pay a per-call setup that batching removes (1.1-1.2x there).
 # Tiny groups (decode) read far more weight bytes than they compute, so padding them is cheap.
 MIN_THREADS = 2
 MAX_ROWS = 768
+MAX_ROWS_FP32 = 64
 MAX_PAD_WASTE = 1.5
 SMALL_ROWS = 64
 SMALL_PAD_WASTE = 3.0
 
 
-def plan(bounds: list[int], *, max_rows: int | None = None, max_pad_waste: float | None = None) -> GmmPlan:
+def plan(
+    bounds: list[int],
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    max_rows: int | None = None,
+    max_pad_waste: float | None = None,
+) -> GmmPlan:
     """Choose the strategy for group bounds ``[0, end_0, ..., end_{E-1}]`` (defaults: the module's thresholds).
 
     ``padded`` when torch runs at least ``MIN_THREADS`` intra-op threads and the largest group P
-    and the padding waste ``E * P / M`` are both small enough: P <= ``max_rows`` with waste <=
+    and the padding waste ``E * P / M`` are both small enough: P <= ``max_rows`` (``MAX_ROWS``, or
+    ``MAX_ROWS_FP32`` for float32) with waste <=
     ``max_pad_waste``, or P <= ``SMALL_ROWS`` with waste <= ``SMALL_PAD_WASTE``; otherwise ``loop``.
     """
-    max_rows = MAX_ROWS if max_rows is None else max_rows
+    if max_rows is None:
+        max_rows = MAX_ROWS_FP32 if dtype == torch.float32 else MAX_ROWS
     max_pad_waste = MAX_PAD_WASTE if max_pad_waste is None else max_pad_waste
     counts = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     num_rows = bounds[-1]
@@ -143,21 +154,21 @@ def _loop_backend(x_MK: torch.Tensor, w_EKN: torch.Tensor) -> GmmBackend:
 
 
 def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
-    p = plan(host_bounds(group_ends_E))
+    p = plan(host_bounds(group_ends_E), x_MK.dtype)
     if p.strategy == "padded":
         return _padded_product(x_MK, w_EKN, p)
     return _loop_backend(x_MK, w_EKN).forward(x_MK, w_EKN, group_ends_E)
 
 
 def grad_input(dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
-    p = plan(host_bounds(group_ends_E))
+    p = plan(host_bounds(group_ends_E), dy_MN.dtype)
     if p.strategy == "padded":
         return _padded_product(dy_MN, w_EKN.transpose(1, 2), p)
     return _loop_backend(dy_MN, w_EKN).grad_input(dy_MN, w_EKN, group_ends_E)
 
 
 def grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
-    p = plan(host_bounds(group_ends_E))
+    p = plan(host_bounds(group_ends_E), x_MK.dtype)
     if p.strategy == "padded":
         dest_M = _dest_rows(p.counts, p.padded_rows)
         # Both paddings zero: 0 * (NaN or stale data in the scratch) could still be NaN.
