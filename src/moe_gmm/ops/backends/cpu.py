@@ -147,8 +147,13 @@ def _padded_product(a_MK: torch.Tensor, b_EKN: torch.Tensor, p: GmmPlan) -> torc
     return out_EPN.view(-1, n).index_select(0, dest_M)
 
 
-def _loop_backend(x_MK: torch.Tensor, w_EKN: torch.Tensor) -> GmmBackend:
-    if torch_native.BACKEND.refusal(x_MK, w_EKN) is None:
+def _loop_backend(dtype: torch.dtype, k: int, n: int) -> GmmBackend:
+    """grouped_mm's loop when it takes a ``[*, k] x [E, k, n]`` problem of ``dtype``, else the eager loop.
+
+    All three passes ask about the *forward* problem's K and N, so they agree on one backend.
+    """
+    probe_x, probe_w = torch.empty(0, k, dtype=dtype), torch.empty(0, k, n, dtype=dtype)  # shapes only
+    if torch_native.BACKEND.refusal(probe_x, probe_w) is None:
         return torch_native.BACKEND
     return eager.BACKEND
 
@@ -157,14 +162,14 @@ def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor)
     p = plan(host_bounds(group_ends_E), x_MK.dtype)
     if p.strategy == "padded":
         return _padded_product(x_MK, w_EKN, p)
-    return _loop_backend(x_MK, w_EKN).forward(x_MK, w_EKN, group_ends_E)
+    return _loop_backend(x_MK.dtype, w_EKN.shape[1], w_EKN.shape[2]).forward(x_MK, w_EKN, group_ends_E)
 
 
 def grad_input(dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
     p = plan(host_bounds(group_ends_E), dy_MN.dtype)
     if p.strategy == "padded":
         return _padded_product(dy_MN, w_EKN.transpose(1, 2), p)
-    return _loop_backend(dy_MN, w_EKN).grad_input(dy_MN, w_EKN, group_ends_E)
+    return _loop_backend(dy_MN.dtype, w_EKN.shape[1], w_EKN.shape[2]).grad_input(dy_MN, w_EKN, group_ends_E)
 
 
 def grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
@@ -175,8 +180,7 @@ def grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Ten
         x_EPK = _pad(x_MK, dest_M, p, "a", zero=True)
         dy_EPN = _pad(dy_MN, dest_M, p, "b", zero=True)
         return torch.bmm(x_EPK.transpose(1, 2), dy_EPN)
-    probe_w = x_MK.new_empty(1, x_MK.shape[1], dy_MN.shape[1])  # layout probe only, no data
-    return _loop_backend(x_MK, probe_w).grad_weight(x_MK, dy_MN, group_ends_E)
+    return _loop_backend(x_MK.dtype, x_MK.shape[1], dy_MN.shape[1]).grad_weight(x_MK, dy_MN, group_ends_E)
 
 
 BACKEND = GmmBackend(
