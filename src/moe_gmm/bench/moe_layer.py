@@ -212,10 +212,16 @@ def case_set(name: str) -> list[MoeLayerCase]:
         return [MoeLayerCase(num_experts=32, num_tokens=256, hidden=512, intermediate=128, shared_intermediate=128)]
     if name == "qwen":
         return [MoeLayerCase(num_experts=e, num_tokens=t) for e in (64, 256) for t in (1024, 4096)]
+    if name == "cpu":
+        # Sized for a 2-core CPU, where hf_eager's O(E^2) backward bounds what can run (E <= 64).
+        return [
+            MoeLayerCase(num_experts=8, num_tokens=1024, top_k=2, hidden=1024, intermediate=512, shared_intermediate=512),
+            MoeLayerCase(num_experts=64, num_tokens=512, top_k=8, hidden=1024, intermediate=256, shared_intermediate=256),
+        ]
     raise ValueError(f"case set must be one of {CASE_SETS}, got {name!r}")
 
 
-CASE_SETS = ("tiny", "quick", "qwen")
+CASE_SETS = ("tiny", "quick", "qwen", "cpu")
 
 # Forward phases are the layer's own labels; backward phases are our autograd labels and the
 # grouped matmul's grad ops (each custom op is one profiler event).
