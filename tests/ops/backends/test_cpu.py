@@ -30,6 +30,7 @@ def strategy(request, monkeypatch):
     """Force one strategy by moving the thresholds of the plan (the code paths stay the real ones)."""
     if request.param == "padded":
         monkeypatch.setattr(cpu, "MIN_THREADS", 1)
+        monkeypatch.setattr(cpu, "MIN_EXPERTS", 1)
         monkeypatch.setattr(cpu, "MAX_ROWS", 10**9)
         monkeypatch.setattr(cpu, "MAX_ROWS_FP32", 10**9)
         monkeypatch.setattr(cpu, "MAX_PAD_WASTE", float("inf"))
@@ -146,18 +147,22 @@ def test_scratch_reuse_does_not_alias_results(strategy):
 def test_plan_choice(monkeypatch):
     # Small, even groups: one padded bmm. Big groups, or padding that multiplies the rows: the loop.
     monkeypatch.setattr(cpu, "MIN_THREADS", 1)
-    assert cpu.plan([0, 4, 8, 12, 16]).strategy == "padded"
-    assert cpu.plan([0, 4, 8, 12, 16]).padded_rows == 4
-    assert cpu.plan([0, 1000, 2000]).strategy == "loop"  # few big groups: the loop is near peak
-    assert cpu.plan([0, 200, 390, 600]).strategy == "padded"  # mid-size, little padding (bf16)
-    assert cpu.plan([0, 200, 390, 600], torch.float32).strategy == "loop"  # MKL's small fp32 GEMMs are cheap
-    assert cpu.plan([0, 4, 8, 12, 16], torch.float32).strategy == "padded"
-    skewed = [0, 60] + [60] * 30  # one expert with 60 rows, 30 empty ones
-    assert cpu.plan(skewed).strategy == "loop"
-    assert cpu.plan([0, 300] + [300] * 3).strategy == "loop"  # padding would multiply the rows
-    assert cpu.plan([0, 0, 0]).strategy == "loop"
+
+    def bounds(counts):
+        return [0, *torch.tensor(counts).cumsum(0).tolist()]
+
+    tiny = bounds([4, 3, 4, 2] * 8)  # 32 experts, <= 4 rows each
+    assert cpu.plan(tiny).strategy == "padded" and cpu.plan(tiny).padded_rows == 4
+    assert cpu.plan(tiny, torch.float32).strategy == "padded"
+    mid = bounds([200, 190, 210, 205] * 4)  # 16 experts, mid-size, little padding
+    assert cpu.plan(mid).strategy == "padded"
+    assert cpu.plan(mid, torch.float32).strategy == "loop"  # MKL's small fp32 GEMMs are cheap
+    assert cpu.plan(bounds([1000] * 16)).strategy == "loop"  # big groups: the loop is near peak
+    assert cpu.plan(bounds([4, 3, 4, 2])).strategy == "loop"  # few experts: few joins to save
+    assert cpu.plan(bounds([60] + [0] * 30)).strategy == "loop"  # skewed: padding multiplies the rows
+    assert cpu.plan(bounds([0] * 20)).strategy == "loop"
     monkeypatch.setattr(cpu, "MIN_THREADS", torch.get_num_threads() + 1)
-    assert cpu.plan([0, 4, 8, 12, 16]).strategy == "loop"  # one thread: no fork/join to save
+    assert cpu.plan(tiny).strategy == "loop"  # one thread: no fork/join to save
 
 
 def test_registered_and_first_for_cpu():
@@ -179,10 +184,13 @@ def test_registered_and_first_for_cpu():
 )
 def test_random_groups(counts, k, n, dtype, force_padded, seed):
     limits = (10**9, float("inf"), 10**9) if force_padded else (-1, 0.0, -1)
-    saved = cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS, cpu.MIN_THREADS, cpu.MAX_ROWS_FP32
-    cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS = limits
-    cpu.MIN_THREADS, cpu.MAX_ROWS_FP32 = 1, limits[0]
+    names = ("MAX_ROWS", "MAX_PAD_WASTE", "SMALL_ROWS", "MIN_THREADS", "MAX_ROWS_FP32", "MIN_EXPERTS")
+    saved = {name: getattr(cpu, name) for name in names}
+    forced = (*limits, 1, limits[0], 1 if force_padded else 10**9)
+    for name, value in zip(names, forced):
+        setattr(cpu, name, value)
     try:
         _check(counts, k, n, dtype, seed=seed)
     finally:
-        cpu.MAX_ROWS, cpu.MAX_PAD_WASTE, cpu.SMALL_ROWS, cpu.MIN_THREADS, cpu.MAX_ROWS_FP32 = saved
+        for name, value in saved.items():
+            setattr(cpu, name, value)

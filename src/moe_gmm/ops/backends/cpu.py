@@ -53,11 +53,13 @@ class GmmPlan:
 # per expert, and on a busy machine every join waits for a descheduled thread, while bmm splits
 # the batch between threads once. With one thread there is no join to save and the loop was
 # 1.1-1.4x faster (bmm pays the padding and the gather back), so ``padded`` needs >= 2 threads.
-# With few big groups (E=8, 1024 rows each) the loop was 1.2-1.6x faster at any thread count.
+# With few experts (E=8, 128 or 1024 rows each) the loop was 1.1-1.5x faster at any thread count:
+# there are only E joins to save. So ``padded`` needs >= MIN_EXPERTS experts.
 # float32 (MKL) has cheap small GEMMs: with 64-90 rows per expert the loop won 1.1-1.3x, so fp32
 # pads only tiny groups; bf16/fp16 (oneDNN) pay a per-call setup that batching removes (1.1-1.2x there).
 # Tiny groups (decode) read far more weight bytes than they compute, so padding them is cheap.
 MIN_THREADS = 2
+MIN_EXPERTS = 16
 MAX_ROWS = 768
 MAX_ROWS_FP32 = 64
 MAX_PAD_WASTE = 1.5
@@ -74,7 +76,8 @@ def plan(
 ) -> GmmPlan:
     """Choose the strategy for group bounds ``[0, end_0, ..., end_{E-1}]`` (defaults: the module's thresholds).
 
-    ``padded`` when torch runs at least ``MIN_THREADS`` intra-op threads and the largest group P
+    ``padded`` when torch runs at least ``MIN_THREADS`` intra-op threads, there are at least
+    ``MIN_EXPERTS`` experts, and the largest group P
     and the padding waste ``E * P / M`` are both small enough: P <= ``max_rows`` (``MAX_ROWS``, or
     ``MAX_ROWS_FP32`` for float32) with waste <=
     ``max_pad_waste``, or P <= ``SMALL_ROWS`` with waste <= ``SMALL_PAD_WASTE``; otherwise ``loop``.
@@ -85,7 +88,7 @@ def plan(
     counts = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     num_rows = bounds[-1]
     largest = max(counts, default=0)
-    if num_rows == 0 or torch.get_num_threads() < MIN_THREADS:
+    if num_rows == 0 or torch.get_num_threads() < MIN_THREADS or len(counts) < MIN_EXPERTS:
         return GmmPlan("loop", 0, counts)
     waste = len(counts) * largest / num_rows
     small = largest <= min(SMALL_ROWS, max_rows) and waste <= max(SMALL_PAD_WASTE, max_pad_waste)
