@@ -202,7 +202,9 @@ def test_main_quick_path_writes_json(tmp_path, monkeypatch):
     monkeypatch.setattr(gmm_bench, "case_set", lambda name: [TINY, GmmCase(**{**TINY.__dict__, "projection": "down"})])
     monkeypatch.setattr(gmm_bench, "measure_limits", lambda dtypes, quick: LIMITS)
     out = tmp_path / "gmm.json"
-    rc = gmm_bench.main(["--quick", "--dtype", "fp32", "--no-progress", "--out", str(out), "--markdown", str(tmp_path / "g.md")])
+    rc = gmm_bench.main(
+        ["--quick", "--dtype", "fp32", "--no-progress", "--out", str(out), "--markdown", str(tmp_path / "g.md")]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     assert {r["label"] for r in data["rows"]} == {"gate_up", "down"}

@@ -32,7 +32,7 @@ from moe_gmm.ops import grouped_matmul
 from moe_gmm.ops.backends import AUTO_PRIORITY, registered_backends, select_backend
 from moe_gmm.testing import routing_ids
 
-__all__ = ["CASE_SETS", "GmmCase", "GmmInputs", "case_set", "gmm_impls", "main", "build_parser"]
+__all__ = ["CASE_SETS", "GmmCase", "GmmInputs", "build_parser", "case_set", "gmm_impls", "main"]
 
 PROJECTIONS = ("gate_up", "down")
 _MODE_FLOP_FACTOR = {"fwd": 1, "bwd": 2, "fwdbwd": 3}
@@ -290,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     if not cases:
         raise SystemExit("no case matches --cases/--filter/--projection")
     impls = gmm_impls(args.impls.split(",") if args.impls else None)
-    settings = TimingSettings(warmup=0, min_repeats=3, max_repeats=3, min_seconds=0.0) if args.quick else TimingSettings()
+    settings = (
+        TimingSettings(warmup=0, min_repeats=3, max_repeats=3, min_seconds=0.0) if args.quick else TimingSettings()
+    )
     if args.repeats is not None or args.min_seconds is not None:
         settings = TimingSettings(
             warmup=settings.warmup,
@@ -308,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     limits = measure_limits(tuple(dtypes), quick=args.quick)
     names = [i.name for i in impls]
     primary = auto_backend_name()
-    command = "python -m benchmarks.run_gmm " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m benchmarks.run_gmm " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
     with maybe_progress(not args.no_progress) as progress:
         report = run_benchmark(
             cases,

@@ -97,7 +97,12 @@ def git_commit(path: Path | None = None) -> str:
     where = path or Path(__file__).resolve().parent
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=where,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
         )
         if head.returncode != 0:
             return "unknown (not a git checkout)"
@@ -107,6 +112,7 @@ def git_commit(path: Path | None = None) -> str:
             capture_output=True,
             text=True,
             timeout=10,
+            check=False,
         )
         dirty = "+dirty" if status.stdout.strip() else ""
         return head.stdout.strip() + dirty
@@ -145,7 +151,7 @@ class Limits:
     copy_mib: int
     seconds_spent: float = 0.0
 
-    def merged(self, other: "Limits") -> "Limits":
+    def merged(self, other: Limits) -> Limits:
         """The higher of two measurements of each limit (e.g. before and after a run)."""
         peaks = {k: max(v, other.peak_flops.get(k, 0.0)) for k, v in self.peak_flops.items()}
         return Limits(
@@ -186,7 +192,7 @@ def measure_peak_gemm(dtype: torch.dtype, sizes: tuple[int, ...] = (2048, 3072),
         a = torch.randn(n, n, generator=g).to(dtype)
         b = torch.randn(n, n, generator=g).to(dtype)
         c = torch.empty(n, n, dtype=dtype)
-        seconds = _best_seconds(lambda: torch.mm(a, b, out=c), repeats)
+        seconds = _best_seconds(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), repeats)
         best = max(best, 2.0 * n**3 / seconds)
     return best
 

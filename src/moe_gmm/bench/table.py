@@ -7,7 +7,7 @@ from typing import Any
 
 from moe_gmm.bench.harness import BenchReport, summarize
 
-__all__ = ["print_report", "markdown_report"]
+__all__ = ["markdown_report", "print_report"]
 
 
 def _ms(seconds: float) -> str:
@@ -64,7 +64,16 @@ def _table_data(report: BenchReport) -> tuple[list[str], list[list[str]]]:
 
 
 def _summary_data(report: BenchReport) -> tuple[list[str], list[list[str]]]:
-    header = ["dtype", "mode", "impl", "cases", "geomean x floor", "worst x floor", "worst case", f"vs {report.reference}"]
+    header = [
+        "dtype",
+        "mode",
+        "impl",
+        "cases",
+        "geomean x floor",
+        "worst x floor",
+        "worst case",
+        f"vs {report.reference}",
+    ]
     lines = []
     for s in summarize(report.rows, report.reference):
         lines.append(
@@ -108,7 +117,11 @@ def print_report(report: BenchReport, console=None) -> None:
     for line in _header_lines(report):
         console.print(line, highlight=False)
     header, lines = _table_data(report)
-    table = Table(show_lines=False, header_style="bold", caption="cell: median ms (time / roofline floor); floor c = compute-bound, m = memory-bound")
+    table = Table(
+        show_lines=False,
+        header_style="bold",
+        caption="cell: median ms (time / roofline floor); floor c = compute-bound, m = memory-bound",
+    )
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i < 2 else "right", overflow="fold")
     for line in lines:

@@ -64,8 +64,9 @@ def _check(counts, k, n, dtype, *, transposed_weight=False, seed=0, expanded_gra
         results[backend] = (y.detach(), x_.grad, w_.grad)
     y_ref = reference_grouped_matmul(x, w, counts)
     dx_ref, dw_ref = reference_grouped_matmul_grads(x, w, counts, dy)
-    for what, got, ref, eager in zip(("forward", "grad_input", "grad_weight"), results["cpu"], (y_ref, dx_ref, dw_ref),
-                                     results["eager"]):
+    for what, got, ref, eager in zip(
+        ("forward", "grad_input", "grad_weight"), results["cpu"], (y_ref, dx_ref, dw_ref), results["eager"]
+    ):
         assert got.dtype == dtype and got.shape == ref.shape
         assert_rel_close(got, ref, tol.rel, f"cpu {what} vs float64")
         torch.testing.assert_close(got, eager, rtol=tol.rtol, atol=tol.atol, msg=f"cpu {what} vs eager")

@@ -27,6 +27,7 @@ which also makes an empty expert's gradient exactly zero.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
 
@@ -85,7 +86,7 @@ def plan(
     if max_rows is None:
         max_rows = MAX_ROWS_FP32 if dtype == torch.float32 else MAX_ROWS
     max_pad_waste = MAX_PAD_WASTE if max_pad_waste is None else max_pad_waste
-    counts = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    counts = tuple(b - a for a, b in itertools.pairwise(bounds))
     num_rows = bounds[-1]
     largest = max(counts, default=0)
     if num_rows == 0 or torch.get_num_threads() < MIN_THREADS or len(counts) < MIN_EXPERTS:
