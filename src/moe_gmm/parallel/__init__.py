@@ -19,6 +19,7 @@ from moe_gmm.parallel.apply import (
     expert_parallel_modules,
     sync_gradients,
 )
+from moe_gmm.parallel.checkpoint import load_ep_checkpoint, save_ep_checkpoint
 from moe_gmm.parallel.comm import CollectiveError
 from moe_gmm.parallel.dispatcher import AllToAllDispatcher, OverlappedAllToAllDispatcher
 from moe_gmm.parallel.plan import EPPlan
@@ -31,5 +32,7 @@ __all__ = [
     "apply_expert_parallel",
     "expert_parallel_groups",
     "expert_parallel_modules",
+    "load_ep_checkpoint",
+    "save_ep_checkpoint",
     "sync_gradients",
 ]
