@@ -26,7 +26,16 @@ from typing import Any
 
 import torch
 
-from moe_gmm.bench.harness import Impl, TimingSettings, Unsupported, Workload, maybe_progress, run_benchmark
+from moe_gmm.bench.harness import (
+    Impl,
+    TimingSettings,
+    Unsupported,
+    Workload,
+    add_run_arguments,
+    maybe_progress,
+    run_benchmark,
+    split_choices,
+)
 from moe_gmm.bench.machine import DTYPE_NAMES, describe_machine, measure_limits
 from moe_gmm.ops import grouped_matmul
 from moe_gmm.ops.backends import AUTO_PRIORITY, registered_backends, select_backend
@@ -257,21 +266,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--impls", default=None, help="comma list of implementations (eager is always included)")
     p.add_argument("--projection", default="gate_up,down", help="comma list of gate_up, down")
     p.add_argument("--weight-layout", default="EKN", choices=("EKN", "ENK"), help="ENK: transposed-view weights")
-    p.add_argument("--repeats", type=int, default=None, help="minimum timed repeats per implementation")
     p.add_argument("--min-seconds", type=float, default=None, help="keep repeating until this much time passed")
-    p.add_argument("--out", default=None, help="write JSON here (e.g. benchmarks/results/gmm.json)")
-    p.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_arguments(p)
     return p
-
-
-def _split(text: str, allowed, what: str) -> list[str]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in items if s not in allowed]
-    if bad or not items:
-        raise SystemExit(f"{what}: expected a comma list of {sorted(allowed)}, got {text!r}")
-    return items
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     from moe_gmm.bench.table import markdown_report, print_report
 
     args = build_parser().parse_args(argv)
-    dtypes = [_DTYPES[n] for n in _split(args.dtype, ("fp32", "bf16", "fp16"), "--dtype")]
-    modes = _split(args.modes, ("fwd", "bwd", "fwdbwd"), "--modes")
-    projections = _split(args.projection, PROJECTIONS, "--projection")
+    dtypes = [_DTYPES[n] for n in split_choices(args.dtype, ("fp32", "bf16", "fp16"), "--dtype")]
+    modes = split_choices(args.modes, ("fwd", "bwd", "fwdbwd"), "--modes")
+    projections = split_choices(args.projection, PROJECTIONS, "--projection")
     cases = case_set(args.cases or ("quick" if args.quick else "full"))
     cases = [c for c in cases if c.projection in projections and (not args.filter or args.filter in c.name)]
     if args.weight_layout != "EKN":

@@ -406,3 +406,22 @@ def maybe_progress(enabled: bool):
         console=Console(stderr=True),
         transient=True,
     )
+
+
+def split_choices(text: str, allowed: Iterable[str], what: str) -> list[str]:
+    """Parse a comma list from the command line, every item one of ``allowed`` (else exit with usage)."""
+    allowed = list(allowed)
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in items if s not in allowed]
+    if bad or not items:
+        raise SystemExit(f"{what}: expected a comma list of {sorted(allowed)}, got {text!r}")
+    return items
+
+
+def add_run_arguments(parser) -> None:
+    """The options every benchmark runner shares: repeats, outputs, threads, progress."""
+    parser.add_argument("--repeats", type=int, default=None, help="minimum timed repeats per implementation")
+    parser.add_argument("--out", default=None, help="write JSON here (e.g. benchmarks/results/NAME.json)")
+    parser.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")

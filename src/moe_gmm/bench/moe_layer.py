@@ -42,7 +42,15 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from moe_gmm.bench.harness import Impl, TimingSettings, Workload, maybe_progress, run_benchmark
+from moe_gmm.bench.harness import (
+    Impl,
+    TimingSettings,
+    Workload,
+    add_run_arguments,
+    maybe_progress,
+    run_benchmark,
+    split_choices,
+)
 from moe_gmm.bench.machine import DTYPE_NAMES, describe_machine, measure_limits
 from moe_gmm.integrations.transformers import (
     hf_to_moe_gmm_state_dict,
@@ -215,8 +223,12 @@ def case_set(name: str) -> list[MoeLayerCase]:
     if name == "cpu":
         # Sized for a 2-core CPU, where hf_eager's O(E^2) backward bounds what can run (E <= 64).
         return [
-            MoeLayerCase(num_experts=8, num_tokens=1024, top_k=2, hidden=1024, intermediate=512, shared_intermediate=512),
-            MoeLayerCase(num_experts=64, num_tokens=512, top_k=8, hidden=1024, intermediate=256, shared_intermediate=256),
+            MoeLayerCase(
+                num_experts=8, num_tokens=1024, top_k=2, hidden=1024, intermediate=512, shared_intermediate=512
+            ),
+            MoeLayerCase(
+                num_experts=64, num_tokens=512, top_k=8, hidden=1024, intermediate=256, shared_intermediate=256
+            ),
         ]
     raise ValueError(f"case set must be one of {CASE_SETS}, got {name!r}")
 
@@ -312,21 +324,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--dtype", default="fp32,bf16", help="comma list of fp32, bf16")
     p.add_argument("--modes", default="fwd,fwdbwd", help="comma list of fwd, bwd, fwdbwd")
     p.add_argument("--impls", default=None, help=f"comma list from {', '.join(IMPLS)} (hf_eager always runs)")
-    p.add_argument("--repeats", type=int, default=None, help="minimum timed repeats per implementation")
     p.add_argument("--breakdown-steps", type=int, default=3, help="profiled steps per phase breakdown (0: none)")
-    p.add_argument("--out", default=None, help="write JSON here (e.g. benchmarks/results/moe_layer.json)")
-    p.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_arguments(p)
     return p
-
-
-def _split(text: str, allowed, what: str) -> list[str]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in items if s not in allowed]
-    if bad or not items:
-        raise SystemExit(f"{what}: expected a comma list of {sorted(allowed)}, got {text!r}")
-    return items
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     from moe_gmm.bench.table import markdown_report, print_report
 
     args = build_parser().parse_args(argv)
-    dtypes = [_DTYPES[n] for n in _split(args.dtype, ("fp32", "bf16"), "--dtype")]
-    modes = _split(args.modes, ("fwd", "bwd", "fwdbwd"), "--modes")
+    dtypes = [_DTYPES[n] for n in split_choices(args.dtype, ("fp32", "bf16"), "--dtype")]
+    modes = split_choices(args.modes, ("fwd", "bwd", "fwdbwd"), "--modes")
     cases = [
         c
         for c in case_set(args.cases or ("quick" if args.quick else "qwen"))
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not cases:
         raise SystemExit("no case matches --cases/--filter")
-    impls = layer_impls(_split(args.impls, IMPLS, "--impls") if args.impls else None)
+    impls = layer_impls(split_choices(args.impls, IMPLS, "--impls") if args.impls else None)
     settings = (
         TimingSettings(warmup=1, min_repeats=3, max_repeats=5, min_seconds=0.0) if args.quick else TimingSettings()
     )
