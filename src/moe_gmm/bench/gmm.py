@@ -154,7 +154,7 @@ def _both(**kw) -> list[GmmCase]:
 
 
 def case_set(name: str) -> list[GmmCase]:
-    """Named case lists. ``full`` is the union of ``qwen`` (issue 2's proportions) and ``sweep``."""
+    """Named case lists. ``full`` is the union of ``qwen`` (Qwen3.5-MoE proportions) and ``sweep``."""
     if name == "quick":
         # One case per regime: few big groups, many small groups (weight-bound), skewed with empty experts.
         return [
