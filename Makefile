@@ -23,7 +23,7 @@ test: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m benchmarks.run_gmm
+	$(PY) -m benchmarks.run_gmm --quick --out out/bench/gmm_quick.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis
