@@ -72,22 +72,24 @@ def rel_err_row(
     return Row(section, check, "rel err vs float64", err_e, err_f, tol.rel, ok, notes)
 
 
+def _shape_mismatch_row(
+    section: str, check: str, metric: str, tolerance, eager: torch.Tensor, fused: torch.Tensor
+) -> Row:
+    notes = f"shape mismatch: eager {tuple(eager.shape)} vs fused {tuple(fused.shape)}"
+    return Row(section, check, metric, None, None, tolerance, False, notes)
+
+
+def _max_abs_diff(fused: torch.Tensor, eager: torch.Tensor) -> float:
+    diff = (fused.detach().double() - eager.detach().double()).abs()
+    return float(diff.max()) if diff.numel() else 0.0
+
+
 def allclose_row(
     section: str, check: str, eager: torch.Tensor, fused: torch.Tensor, tol: Tolerance, notes: str = ""
 ) -> Row:
     if eager.shape != fused.shape:
-        return Row(
-            section,
-            check,
-            "max abs diff fused-eager",
-            None,
-            None,
-            _tol_text(tol),
-            False,
-            f"shape mismatch: eager {tuple(eager.shape)} vs fused {tuple(fused.shape)}",
-        )
-    diff = (fused.detach().double() - eager.detach().double()).abs()
-    max_abs = float(diff.max()) if diff.numel() else 0.0
+        return _shape_mismatch_row(section, check, "max abs diff fused-eager", _tol_text(tol), eager, fused)
+    max_abs = _max_abs_diff(fused, eager)
     ratio = worst_ratio(fused, eager, tol)
     ok = finite(fused) and ratio <= 1.0
     extra = f"worst |d|/(atol+rtol|eager|) = {ratio:.3g}"
@@ -108,19 +110,9 @@ def rel_diff_row(
 ) -> Row:
     """``||fused - eager|| / ||eager||`` against ``tol.rel``; the max abs diff goes in the notes."""
     if eager.shape != fused.shape:
-        return Row(
-            section,
-            check,
-            "rel diff fused-eager",
-            None,
-            None,
-            tol.rel,
-            False,
-            f"shape mismatch: eager {tuple(eager.shape)} vs fused {tuple(fused.shape)}",
-        )
+        return _shape_mismatch_row(section, check, "rel diff fused-eager", tol.rel, eager, fused)
     rel = relative_error(fused, eager)
-    diff = (fused.detach().double() - eager.detach().double()).abs()
-    max_abs = float(diff.max()) if diff.numel() else 0.0
+    max_abs = _max_abs_diff(fused, eager)
     extra = f"max abs diff {max_abs:.3g}"
     return Row(
         section,
