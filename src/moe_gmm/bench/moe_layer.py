@@ -27,6 +27,10 @@ Work per mode (``s`` bytes per element, ``R = T k``):
 ``record_function`` labels in the layer: ``moe::router``, ``moe::permute``, ``moe::gmm``,
 ``moe::swiglu``, ``moe::unpermute``, ``moe::shared_expert`` (forward), ``moe::*_bwd`` and the
 grouped matmul's grad ops (backward).
+
+``--memory`` also reports, per case x dtype x implementation, the resident peak of one fwd+bwd step
+against its budget (weights + grads + ``x`` and ``dx`` + the activations autograd saves), each
+measured in a fresh process; the definitions are in :mod:`moe_gmm.bench.memory`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from moe_gmm.bench.harness import (
     split_choices,
 )
 from moe_gmm.bench.machine import DTYPE_NAMES, describe_machine, measure_limits
+from moe_gmm.bench.memory import measure_in_subprocess, memory_markdown, print_memory_table
 from moe_gmm.integrations.transformers import (
     hf_to_moe_gmm_state_dict,
     moe_block_config_from_hf,
@@ -59,7 +64,16 @@ from moe_gmm.integrations.transformers import (
 )
 from moe_gmm.layers import SparseMoeBlock
 
-__all__ = ["CASE_SETS", "IMPLS", "MoeLayerCase", "case_set", "layer_impls", "main", "profile_breakdown"]
+__all__ = [
+    "CASE_SETS",
+    "IMPLS",
+    "MoeLayerCase",
+    "case_set",
+    "layer_impls",
+    "main",
+    "measure_memory",
+    "profile_breakdown",
+]
 
 IMPLS = ("hf_eager", "hf_grouped_mm", "hf_moe_gmm", "moe_gmm", "moe_gmm_eager")
 DEFAULT_IMPLS = ("hf_eager", "hf_grouped_mm", "hf_moe_gmm", "moe_gmm")
@@ -313,6 +327,30 @@ def _print_breakdown(console, case: MoeLayerCase, dtype: torch.dtype, result: di
     console.print(table)
 
 
+def measure_memory(
+    cases: list[MoeLayerCase], dtypes: list[torch.dtype], impl_names: list[str], *, console=None
+) -> list[dict[str, Any]]:
+    """Peak memory vs budget per case x dtype x impl, each in a fresh process with this process's threads.
+
+    Prints the table when ``console`` is given. A failed measurement becomes a row with ``error``.
+    """
+    records = []
+    for case in cases:
+        for dtype in dtypes:
+            for name in impl_names:
+                head = {"case": case.name, "dtype": DTYPE_NAMES[dtype], "impl": name}
+                if console is not None:
+                    console.print(f"memory: {case.name} {head['dtype']} {name} (fresh process)...", highlight=False)
+                spec = {"case": case.params(), "dtype": head["dtype"], "impl": name}
+                try:
+                    records.append({**head, **measure_in_subprocess("moe_layer", spec)})
+                except RuntimeError as exc:
+                    records.append({**head, "error": str(exc).strip().splitlines()[-1]})
+    if console is not None:
+        print_memory_table(records, console)
+    return records
+
+
 _DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
@@ -325,6 +363,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--modes", default="fwd,fwdbwd", help="comma list of fwd, bwd, fwdbwd")
     p.add_argument("--impls", default=None, help=f"comma list from {', '.join(IMPLS)} (hf_eager always runs)")
     p.add_argument("--breakdown-steps", type=int, default=3, help="profiled steps per phase breakdown (0: none)")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also report each impl's peak memory of one fwd+bwd step vs its budget (a fresh process per impl; "
+        "the impls named in --impls, default all but hf_eager)",
+    )
     add_run_arguments(p)
     return p
 
@@ -389,10 +433,18 @@ def main(argv: list[str] | None = None) -> int:
                 result = profile_breakdown(case, dtype, steps=args.breakdown_steps)
                 _print_breakdown(console, case, dtype, result)
                 breakdowns.append({"case": case.name, "dtype": DTYPE_NAMES[dtype], "ms_per_step": result})
+    memory = []
+    if args.memory:
+        memory_names = (
+            split_choices(args.impls, IMPLS, "--impls") if args.impls else [n for n in DEFAULT_IMPLS if n != "hf_eager"]
+        )
+        memory = measure_memory(cases, dtypes, memory_names, console=console)
     if args.out:
         path = report.write_json(args.out)
         data = json.loads(path.read_text())
         data["breakdown"] = breakdowns
+        if args.memory:
+            data["memory"] = memory
         path.write_text(json.dumps(data, indent=1) + "\n")
         console.print(f"JSON written to {path}")
     if args.markdown:
@@ -405,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
                 + " |"
                 for ph in (*PHASES, "total")
             )
+        if args.memory:
+            text += "\n\n" + memory_markdown(memory).rstrip("\n")
         Path(args.markdown).write_text(text + "\n")
         console.print(f"Markdown written to {args.markdown}")
     return 0

@@ -1,0 +1,409 @@
+"""Peak memory of one layer's forward+backward step, against the bytes the step cannot do without.
+
+Definitions (the memory table's caption repeats them):
+
+- ``budget`` = the layer's weights + their grads (the same bytes) + the input ``x`` and its grad
+  ``dx`` + the activations autograd saves during one forward. Saved activations are caught with
+  :func:`torch.autograd.graph.saved_tensors_hooks` and counted by unique *storage*
+  (``untyped_storage().data_ptr()``, the storage's ``nbytes``), leaving out storages that belong to
+  a weight or to the input (already counted). Weights are counted by unique storage too, since a
+  benchmark may hand them over as views (``moe_gmm``'s transposed expert weights).
+- ``peak`` = the process's resident-memory high-water mark (``VmHWM`` in ``/proc/self/status``)
+  during one steady-state forward+backward step, minus the resident memory (``VmRSS``) measured
+  just before the layer's weights and input were created. It counts everything real: allocator
+  caches, fragmentation, a library's reusable buffers, thread-pool stacks.
+- target: ``peak / budget <= 1.2``.
+
+Procedure, in a fresh process per implementation (resident memory is process-wide: building one
+implementation leaves pages behind that the next would reuse unseen): *prime* the process with one
+step of the same implementation on a tiny shape, so lazy imports land before the baseline (the first
+``torch.autograd.grad`` alone imports ``torch.fx.experimental.symbolic_shapes`` and sympy, about
+30 MiB; transformers imports its modelling code on first use); create the upstream gradient ``dy``
+(the caller's tensor; counted in neither number); ``gc.collect()`` and ``malloc_trim`` (glibc, so
+freed heap pages from the priming are not reused for free), read the baseline; build the layer,
+drop what it does not use (the benchmark's inputs hold the weights in two layouts), collect and
+trim again (the build's temporaries are not the step's memory); run one warm-up step (allocator
+caches, thread pools), ``gc.collect()``, reset the high-water mark by writing ``5`` to
+``/proc/self/clear_refs`` (Linux >= 4.0), run and measure one step. The step is the
+benchmark's ``fwdbwd`` mode: ``torch.autograd.grad(forward(), leaves, dy)``. If the reset is refused
+or has no effect, ``peak`` is reported as unavailable rather than a number that includes the build.
+
+Not seen by ``budget``: tensors an autograd function keeps as plain ``ctx`` attributes instead of
+``save_for_backward`` (moe-gmm's ops keep only Python scalars there). The step's output ``y`` is in
+``peak`` while the backward runs but in ``budget`` only where autograd saved it.
+
+Run one measurement: ``python -m moe_gmm.bench.memory moe_layer '{"case": {...}, "dtype": "bf16",
+"impl": "moe_gmm"}' --threads 2`` prints one JSON line. Kinds: ``moe_layer`` (a
+:class:`~moe_gmm.bench.moe_layer.MoeLayerCase` and one of its implementations) and ``linear``
+(``sigmoid(x @ w)``, a layer with nothing to hide, to calibrate the measure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_gmm.bench.harness import Workload, _timed_callable
+from moe_gmm.bench.machine import DTYPE_NAMES
+
+__all__ = [
+    "KINDS",
+    "MEMORY_CAPTION",
+    "TARGET_RATIO",
+    "Budget",
+    "Peak",
+    "layer_budget",
+    "measure_in_subprocess",
+    "measure_peak",
+    "measure_workload",
+    "memory_markdown",
+    "print_memory_table",
+    "saved_activation_bytes",
+    "unique_storage_bytes",
+]
+
+MIB = 2**20
+TARGET_RATIO = 1.2
+MEMORY_CAPTION = (
+    "peak = resident-memory high-water mark (VmHWM) during one steady-state fwd+bwd step, minus resident "
+    "memory before the weights and input existed (fresh process per impl); budget = weights + their grads "
+    "+ x and dx + activations autograd saves in the forward (unique storages); held = resident between "
+    f"steps, before the measured one; target peak/budget <= {TARGET_RATIO}"
+)
+
+
+def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once, in full)."""
+    sizes = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
+
+
+def saved_activation_bytes(forward_fn: Callable[[], Any], params: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages autograd saves while ``forward_fn()`` runs, except those of ``params``.
+
+    Counts the storages still held by the graph when the forward returns (a saved tensor whose
+    graph branch was dropped mid-forward is not held by the step). The forward's output is dropped;
+    the graph built here is for counting only (no backward runs through it).
+    """
+    excluded = {t.untyped_storage().data_ptr() for t in params}
+    records: list[tuple[weakref.ref, int, int]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        # The graph keeps a detached alias (same storage, nothing copied): returning a saved output
+        # itself would tie it to its own grad_fn in a cycle that outlives a dropped branch.
+        saved = t.detach()
+        storage = saved.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            records.append((weakref.ref(saved), storage.data_ptr(), storage.nbytes()))
+        return saved
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward_fn()
+    held = {ptr: nbytes for ref, ptr, nbytes in records if ref() is not None}
+    del out
+    return sum(held.values())
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes the step cannot do without; ``inputs`` is ``x`` and ``dx``."""
+
+    weights: int
+    grads: int
+    saved: int
+    inputs: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.saved + self.inputs
+
+
+def layer_budget(workload: Workload, *, num_inputs: int = 1) -> Budget:
+    """The budget of ``workload``: its first ``num_inputs`` leaves are inputs, the rest weights."""
+    inputs, weights = workload.leaves[:num_inputs], workload.leaves[num_inputs:]
+    weight_bytes = unique_storage_bytes(weights)
+    return Budget(
+        weights=weight_bytes,
+        grads=weight_bytes,
+        saved=saved_activation_bytes(workload.forward, workload.leaves),
+        inputs=2 * unique_storage_bytes(inputs),
+    )
+
+
+def _resident() -> tuple[int, int] | None:
+    """``(VmRSS, VmHWM)`` in bytes from one read of ``/proc/self/status``; None off Linux."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    try:
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
+def _reset_high_water_mark() -> str | None:
+    """Reset ``VmHWM`` to the current ``VmRSS``; the reason when that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as exc:
+        return f"peak unavailable: writing 5 to /proc/self/clear_refs failed ({exc})"
+    now = _resident()
+    if now is None or now[1] - now[0] > MIB:  # a working reset leaves VmHWM at VmRSS
+        return "peak unavailable: writing 5 to /proc/self/clear_refs did not reset VmHWM"
+    return None
+
+
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``); a no-op elsewhere."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Resident bytes relative to ``baseline`` (before the layer existed); ``peak`` None when unmeasurable."""
+
+    baseline: int
+    held: int  # resident between steps (weights, x, caches), just before the measured step
+    peak: int | None
+    note: str = ""
+
+
+Job = tuple[Callable[[], Workload], torch.Tensor]  # (build the layer, upstream gradient dy)
+
+
+def _prime(job: Job) -> None:
+    """One step on a throwaway layer: lazy imports and one-time initialisation happen here."""
+    build, grad_out = job
+    grads = _timed_callable(build(), "fwdbwd", grad_out)()
+    del grads
+
+
+def measure_peak(build: Callable[[], Workload], grad_out: torch.Tensor) -> tuple[Peak, Workload]:
+    """Build the layer after a baseline reading, then measure one fwd+bwd step's resident peak.
+
+    ``build`` creates the weights and input and returns the workload (only what it returns should
+    stay referenced); ``grad_out`` is the upstream gradient, created by the caller beforehand. Prime
+    the process first (:func:`measure_workload` does). Returns the workload too, so the budget can be
+    counted on the same tensors afterwards.
+    """
+    gc.collect()
+    _trim_heap()
+    before = _resident()
+    workload = build()
+    gc.collect()
+    _trim_heap()  # the build's temporaries (other layouts, fp32 init) are not the step's memory
+    step = _timed_callable(workload, "fwdbwd", grad_out)
+    step()  # warm-up: allocator caches, thread pools, lazily built kernels
+    gc.collect()
+    if before is None:
+        return Peak(baseline=0, held=0, peak=None, note="peak unavailable: no /proc/self/status"), workload
+    ready = _resident()
+    note = _reset_high_water_mark()
+    grads = step()
+    after = _resident()
+    del grads
+    assert ready is not None and after is not None
+    peak = None if note else after[1] - before[0]
+    return Peak(baseline=before[0], held=ready[0] - before[0], peak=peak, note=note or ""), workload
+
+
+def measure_workload(job: Job, *, prime: Job | None = None, num_inputs: int = 1) -> dict[str, Any]:
+    """Prime with ``prime`` (the same layer, tiny), measure the peak of ``job``, then count its budget.
+
+    Returns one flat, JSON-ready record in bytes.
+    """
+    if prime is not None:
+        _prime(prime)
+        del prime
+    peak, workload = measure_peak(*job)
+    budget = layer_budget(workload, num_inputs=num_inputs)
+    ratio = peak.peak / budget.total if peak.peak is not None and budget.total else None
+    return {
+        **{f"{k}_bytes": v for k, v in asdict(budget).items()},
+        "budget_bytes": budget.total,
+        "peak_bytes": peak.peak,
+        "held_bytes": peak.held,
+        "baseline_rss_bytes": peak.baseline,
+        "ratio": ratio,
+        "note": peak.note,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _dtype(name: str) -> torch.dtype:
+    by_name = {v: k for k, v in DTYPE_NAMES.items()}
+    if name not in by_name:
+        raise ValueError(f"dtype must be one of {sorted(by_name)}, got {name!r}")
+    return by_name[name]
+
+
+def _moe_layer_workload(spec: dict[str, Any]) -> Job:
+    """``spec``: ``{"case": MoeLayerCase.params(), "dtype": "bf16", "impl": "moe_gmm"}``."""
+    from moe_gmm.bench.moe_layer import IMPLS, MoeLayerCase, layer_impls
+
+    dtype = _dtype(spec["dtype"])
+    if spec["impl"] not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {spec['impl']!r}")
+    case = MoeLayerCase(**spec["case"])
+    (impl,) = [i for i in layer_impls([spec["impl"]]) if i.name == spec["impl"]]
+    grad_out = torch.randn(1, case.num_tokens, case.hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+    def build() -> Workload:
+        inputs = case.make_inputs(dtype)
+        workload = impl.prepare(inputs)
+        # The inputs hold the weights twice (transformers' block and ours); the workload keeps
+        # references to what it runs on, so dropping both blocks frees only the unused copy.
+        inputs.hf_block = inputs.block = None
+        return workload
+
+    return build, grad_out
+
+
+def _linear_workload(spec: dict[str, Any]) -> Job:
+    """``spec``: ``{"rows": M, "inner": K, "cols": N, "dtype": "fp32"}``; the layer ``sigmoid(x_MK @ w_KN)``."""
+    dtype = _dtype(spec["dtype"])
+    m, k, n = spec["rows"], spec["inner"], spec["cols"]
+    g = torch.Generator().manual_seed(0)
+    grad_out = torch.randn(m, n, generator=g).to(dtype)
+
+    def build() -> Workload:
+        x_MK = torch.randn(m, k, generator=g).to(dtype).requires_grad_(True)
+        w_KN = (torch.randn(k, n, generator=g) * k**-0.5).to(dtype).requires_grad_(True)
+        return Workload(forward=lambda: torch.sigmoid(x_MK @ w_KN), leaves=(x_MK, w_KN))
+
+    return build, grad_out
+
+
+def _tiny_moe_layer(spec: dict[str, Any]) -> dict[str, Any]:
+    # Same experts, top-k, dtype and implementation (the same code paths), tiny matrices.
+    return {
+        **spec,
+        "case": {**spec["case"], "num_tokens": 8, "hidden": 16, "intermediate": 8, "shared_intermediate": 8},
+    }
+
+
+def _tiny_linear(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**spec, "rows": 8, "inner": 8, "cols": 8}
+
+
+# kind -> (the job for a spec, the spec of the same layer on a tiny shape, for priming)
+KINDS: dict[str, tuple[Callable[[dict[str, Any]], Job], Callable[[dict[str, Any]], dict[str, Any]]]] = {
+    "moe_layer": (_moe_layer_workload, _tiny_moe_layer),
+    "linear": (_linear_workload, _tiny_linear),
+}
+
+
+def measure_in_subprocess(
+    kind: str, spec: dict[str, Any], *, threads: int | None = None, timeout_s: float = 1800.0
+) -> dict[str, Any]:
+    """Run one measurement in a fresh Python process (``threads``: default this process's setting)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
+    threads = threads or torch.get_num_threads()
+    cmd = [sys.executable, "-m", "moe_gmm.bench.memory", kind, json.dumps(spec), "--threads", str(threads)]
+    env = dict(os.environ)
+    # The child imports this very package, wherever it came from (a source tree or site-packages).
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"memory measurement {kind} {spec} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def _mib(value: int | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value / MIB:.1f}" if abs(value) >= 10 * MIB else f"{value / MIB:.3g}"
+
+
+_HEADER = ("case", "dtype", "impl", "weights", "grads", "saved act.", "x+dx", "budget", "held", "peak", "peak/budget")
+
+
+def _memory_rows(records: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in records:
+        head = [r["case"], r["dtype"], r["impl"]]
+        if r.get("error"):
+            rows.append([*head, *(["-"] * 7), "error"])
+            continue
+        ratio = r["ratio"]
+        ratio_text = "-" if ratio is None or not math.isfinite(ratio) else f"{ratio:.2f}"
+        parts = ("weights", "grads", "saved", "inputs", "budget", "held", "peak")
+        rows.append([*head, *(_mib(r[f"{p}_bytes"]) for p in parts), ratio_text])
+    return rows
+
+
+def _notes(records: list[dict[str, Any]]) -> list[str]:
+    out = [f"{r['case']} {r['dtype']} {r['impl']}: {r.get('error') or r['note']}" for r in records]
+    return [line for line, r in zip(out, records) if r.get("error") or r.get("note")]
+
+
+def print_memory_table(records: list[dict[str, Any]], console=None) -> None:
+    """The memory table (MiB) with ``rich``; ``held`` is resident between steps, before the measured one."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title="peak memory of one fwd+bwd step (MiB)", caption=MEMORY_CAPTION, header_style="bold")
+    for i, name in enumerate(_HEADER):
+        table.add_column(name, justify="left" if i < 3 else "right")
+    for row in _memory_rows(records):
+        table.add_row(*row)
+    console.print(table)
+    for line in _notes(records):
+        console.print(line, highlight=False)
+
+
+def memory_markdown(records: list[dict[str, Any]]) -> str:
+    """The same table as Markdown."""
+    out = ["peak memory of one fwd+bwd step (MiB)", "", MEMORY_CAPTION + ".", ""]
+    out += ["| " + " | ".join(_HEADER) + " |", "|---|---|---|" + "---:|" * (len(_HEADER) - 3)]
+    out += ["| " + " | ".join(row) + " |" for row in _memory_rows(records)]
+    out += [f"- {line}" for line in _notes(records)]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Subprocess entry: measure one workload, print one JSON line."""
+    p = argparse.ArgumentParser(description="Peak memory of one fwd+bwd step vs its budget (one JSON line).")
+    p.add_argument("kind", choices=sorted(KINDS))
+    p.add_argument("spec", help="JSON object describing the workload (see the kind's builder)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    make_job, tiny = KINDS[args.kind]
+    spec = json.loads(args.spec)
+    prime = make_job(tiny(spec))
+    job = make_job(spec)  # creates dy: before the baseline
+    print(json.dumps(measure_workload(job, prime=prime)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Peak-memory measurement: saved-activation counting, budget parts, a real subprocess, the CLI path."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from moe_gmm.bench import memory, moe_layer
+from moe_gmm.bench.machine import Limits
+from moe_gmm.bench.memory import (
+    layer_budget,
+    measure_in_subprocess,
+    measure_workload,
+    memory_markdown,
+    saved_activation_bytes,
+    unique_storage_bytes,
+)
+from moe_gmm.bench.moe_layer import case_set, layer_impls
+
+LIMITS = Limits(peak_flops={"fp32": 1e11, "bf16": 2e11}, copy_bandwidth=1e10, gemm_sizes=(64,), copy_mib=1)
+
+
+def test_saved_activation_bytes_of_sigmoid_matmul():
+    x_MK = torch.randn(8, 16, requires_grad=True)
+    w_KN = torch.randn(16, 4, requires_grad=True)
+    # mm saves x and w (both excluded as params); sigmoid saves its output [8, 4] fp32.
+    assert saved_activation_bytes(lambda: torch.sigmoid(x_MK @ w_KN), [x_MK, w_KN]) == 8 * 4 * 4
+    # x is not a param here, so its storage counts as a saved activation.
+    assert saved_activation_bytes(lambda: torch.sigmoid(x_MK @ w_KN), [w_KN]) == 8 * 4 * 4 + 8 * 16 * 4
+    # A transposed view of a param shares its storage: still excluded.
+    w_NK = torch.randn(4, 16, requires_grad=True)
+    assert saved_activation_bytes(lambda: torch.sigmoid(x_MK @ w_NK.t()), [x_MK, w_NK]) == 8 * 4 * 4
+
+
+def test_saved_activation_bytes_ignores_a_dropped_branch():
+    x = torch.randn(32, requires_grad=True)
+
+    def forward():
+        torch.sigmoid(x * 3.0)  # graph branch dropped at once: holds nothing when the forward returns
+        return torch.sigmoid(x)
+
+    assert saved_activation_bytes(forward, [x]) == 32 * 4
+
+
+def test_unique_storage_bytes_counts_views_once_in_full():
+    base = torch.zeros(10, 6)
+    assert unique_storage_bytes([base, base.t(), base[:2]]) == 10 * 6 * 4
+    assert unique_storage_bytes([base[:2]]) == 10 * 6 * 4  # a slice holds its whole storage
+
+
+@pytest.mark.parametrize("impl_name", ["moe_gmm", "hf_grouped_mm"])
+def test_moe_layer_budget_parts_add_up(impl_name):
+    (case,) = case_set("tiny")
+    (impl,) = [i for i in layer_impls([impl_name]) if i.name == impl_name]
+    budget = layer_budget(impl.prepare(case.make_inputs(torch.float32)))
+    # moe_gmm hands over transposed views of its expert weights: counted by storage, the same bytes.
+    assert budget.weights == case._param_numel() * 4
+    assert budget.grads == budget.weights
+    assert budget.inputs == 2 * case.num_tokens * case.hidden * 4
+    # At least the expert MLP's hidden rows [T k, 2I] are saved (for the down projection's grad).
+    assert budget.saved >= case.num_tokens * case.top_k * 2 * case.intermediate * 4
+    assert budget.total == budget.weights + budget.grads + budget.saved + budget.inputs
+
+
+def test_linear_in_a_fresh_process_sees_its_weights():
+    m, k, n = 256, 1024, 1024  # w: 4 MiB fp32, well above page noise
+    record = measure_in_subprocess("linear", {"rows": m, "inner": k, "cols": n, "dtype": "fp32"}, threads=1)
+    assert record["note"] == ""
+    assert record["weights_bytes"] == k * n * 4 == record["grads_bytes"]
+    assert record["saved_bytes"] == m * n * 4  # sigmoid's output
+    assert record["inputs_bytes"] == 2 * m * k * 4
+    assert record["peak_bytes"] >= record["weights_bytes"]
+    assert record["held_bytes"] > 0 and record["baseline_rss_bytes"] > 0
+    assert math.isfinite(record["ratio"]) and record["ratio"] > 0
+    assert record["threads"] == 1
+
+
+def test_unavailable_reset_reports_no_peak(monkeypatch):
+    monkeypatch.setattr(memory, "_reset_high_water_mark", lambda: "peak unavailable: test")
+    make_job, _ = memory.KINDS["linear"]
+    record = measure_workload(make_job({"rows": 4, "inner": 4, "cols": 4, "dtype": "fp32"}))
+    assert record["peak_bytes"] is None and record["ratio"] is None
+    assert record["note"] == "peak unavailable: test"
+    text = memory_markdown([{"case": "c", "dtype": "fp32", "impl": "i", **record}])
+    assert "| - | - |" in text and "peak unavailable: test" in text
+
+
+def test_bad_kind_and_impl():
+    with pytest.raises(ValueError, match="kind"):
+        measure_in_subprocess("nope", {})
+    make_job, _ = memory.KINDS["moe_layer"]
+    with pytest.raises(ValueError, match="impl"):
+        make_job({"case": case_set("tiny")[0].params(), "dtype": "fp32", "impl": "nope"})
+    with pytest.raises(ValueError, match="dtype"):
+        make_job({"case": case_set("tiny")[0].params(), "dtype": "fp8", "impl": "moe_gmm"})
+    text = memory_markdown([{"case": "c", "dtype": "fp32", "impl": "i", "error": "boom"}])
+    assert "error" in text and "boom" in text
+
+
+def test_runner_memory_option_writes_json_and_markdown(tmp_path, monkeypatch):
+    monkeypatch.setattr(moe_layer, "measure_limits", lambda dtypes, quick=False: LIMITS)  # skip the calibration
+    out, md = tmp_path / "moe_layer.json", tmp_path / "moe_layer.md"
+    argv = ["--cases", "tiny", "--dtype", "fp32", "--modes", "fwd", "--repeats", "1", "--breakdown-steps", "0"]
+    argv += ["--impls", "moe_gmm", "--threads", "1", "--memory", "--no-progress", "--out", str(out)]
+    assert moe_layer.main([*argv, "--markdown", str(md)]) == 0
+    (record,) = json.loads(out.read_text())["memory"]
+    assert (record["case"], record["dtype"], record["impl"]) == ("E4-k2-T8", "fp32", "moe_gmm")
+    assert "error" not in record and record["note"] == ""
+    parts = ("weights", "grads", "saved", "inputs")
+    assert record["budget_bytes"] == sum(record[f"{p}_bytes"] for p in parts) > 0
+    assert isinstance(record["peak_bytes"], int) and record["threads"] == 1
+    text = md.read_text()
+    assert "peak memory of one fwd+bwd step" in text and "peak/budget" in text and "| moe_gmm |" in text
