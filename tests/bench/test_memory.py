@@ -77,7 +77,7 @@ def test_linear_in_a_fresh_process_sees_its_weights():
     assert record["peak_bytes"] >= record["weights_bytes"]
     assert record["held_bytes"] > 0 and record["baseline_rss_bytes"] > 0
     assert math.isfinite(record["ratio"]) and record["ratio"] > 0
-    assert record["threads"] == 1
+    assert record["threads"] == 1 and isinstance(record["malloc_env"], dict)
 
 
 def test_unavailable_reset_reports_no_peak(monkeypatch):

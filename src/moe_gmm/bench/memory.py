@@ -28,6 +28,12 @@ caches, thread pools), ``gc.collect()``, reset the high-water mark by writing ``
 benchmark's ``fwdbwd`` mode: ``torch.autograd.grad(forward(), leaves, dy)``. If the reset is refused
 or has no effect, ``peak`` is reported as unavailable rather than a number that includes the build.
 
+The allocator shapes ``peak``: glibc's malloc serves blocks below its (adaptive, up to 32 MiB) mmap
+threshold from heaps it keeps resident after ``free``, so pages freed by one tensor are held until
+reused. ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment (inherited by the measuring processes)
+gives every block of 128 KiB or more its own mapping, returned on free; each record keeps the
+``MALLOC_*`` and ``LD_PRELOAD`` variables it ran under (``malloc_env``).
+
 Not seen by ``budget``: tensors an autograd function keeps as plain ``ctx`` attributes instead of
 ``save_for_backward`` (moe-gmm's ops keep only Python scalars there). The step's output ``y`` is in
 ``peak`` while the backward runs but in ``budget`` only where autograd saved it.
@@ -250,6 +256,7 @@ def measure_workload(job: Job, *, prime: Job | None = None, num_inputs: int = 1)
         "ratio": ratio,
         "note": peak.note,
         "threads": torch.get_num_threads(),
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"},
     }
 
 
@@ -338,7 +345,7 @@ def measure_in_subprocess(
 def _mib(value: int | None) -> str:
     if value is None:
         return "-"
-    return f"{value / MIB:.1f}" if abs(value) >= 10 * MIB else f"{value / MIB:.3g}"
+    return f"{value / MIB:.1f}" if abs(value) >= 10 * MIB else f"{value / MIB:.3f}"
 
 
 _HEADER = ("case", "dtype", "impl", "weights", "grads", "saved act.", "x+dx", "budget", "held", "peak", "peak/budget")
@@ -359,8 +366,13 @@ def _memory_rows(records: list[dict[str, Any]]) -> list[list[str]]:
 
 
 def _notes(records: list[dict[str, Any]]) -> list[str]:
-    out = [f"{r['case']} {r['dtype']} {r['impl']}: {r.get('error') or r['note']}" for r in records]
-    return [line for line, r in zip(out, records) if r.get("error") or r.get("note")]
+    out = []
+    for r in records:
+        env = " ".join(f"{k}={v}" for k, v in (r.get("malloc_env") or {}).items())
+        text = "; ".join(t for t in (r.get("error") or r.get("note"), f"ran under {env}" if env else "") if t)
+        if text:
+            out.append(f"{r['case']} {r['dtype']} {r['impl']}: {text}")
+    return out
 
 
 def print_memory_table(records: list[dict[str, Any]], console=None) -> None:
