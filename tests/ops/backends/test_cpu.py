@@ -31,6 +31,7 @@ def strategy(request, monkeypatch):
     if request.param == "padded":
         monkeypatch.setattr(cpu, "MIN_THREADS", 1)
         monkeypatch.setattr(cpu, "MIN_EXPERTS", 1)
+        monkeypatch.setattr(cpu, "MIN_EXPERTS_FP32", 1)
         monkeypatch.setattr(cpu, "MAX_ROWS", 10**9)
         monkeypatch.setattr(cpu, "MAX_ROWS_FP32", 10**9)
         monkeypatch.setattr(cpu, "MAX_PAD_WASTE", float("inf"))
@@ -84,8 +85,7 @@ CASES = {
     "single_expert": ([9], 16, 16),
     "no_rows": ([0, 0, 0], 16, 16),
     "odd_k_n": ([2, 5, 1], 7, 13),
-    # grouped_mm needs K and N 16-byte aligned; only one of them is: the loop falls back to eager
-    # in every pass (grad_input's GEMM is [M, N] x [N, K], so asking about it would differ).
+    # Unaligned K or N (no 16-byte row strides): both strategies take any width.
     "k_unaligned": ([0, 3], 1, 8),
     "n_unaligned": ([3, 2], 8, 1),
     "one_row_each": ([1, 1, 1, 1], 16, 16),
@@ -158,9 +158,12 @@ def test_plan_choice(monkeypatch):
     mid = bounds([200, 190, 210, 205] * 4)  # 16 experts, mid-size, little padding
     assert cpu.plan(mid).strategy == "padded"
     assert cpu.plan(mid, torch.float32).strategy == "loop"  # MKL's small fp32 GEMMs are cheap
-    assert cpu.plan(bounds([1000] * 16)).strategy == "loop"  # big groups: the loop is near peak
-    assert cpu.plan(bounds([4, 3, 4, 2])).strategy == "loop"  # few experts: few joins to save
+    big = bounds([1000, 1010, 990, 1000] * 2)  # 8 big even groups
+    assert cpu.plan(big).strategy == "padded"  # oneDNN's per-call setup: batching pays at any size
+    assert cpu.plan(big, torch.float32).strategy == "loop"
+    assert cpu.plan(bounds([4, 3, 4, 2]), torch.float32).strategy == "loop"  # fp32, few experts
     assert cpu.plan(bounds([60] + [0] * 30)).strategy == "loop"  # skewed: padding multiplies the rows
+    assert cpu.plan(bounds([600, 10, 0, 300, 0, 0, 5, 80])).strategy == "loop"
     assert cpu.plan(bounds([0] * 20)).strategy == "loop"
     monkeypatch.setattr(cpu, "MIN_THREADS", torch.get_num_threads() + 1)
     assert cpu.plan(tiny).strategy == "loop"  # one thread: no fork/join to save
@@ -185,9 +188,18 @@ def test_registered_and_first_for_cpu():
 )
 def test_random_groups(counts, k, n, dtype, force_padded, seed):
     limits = (10**9, float("inf"), 10**9) if force_padded else (-1, 0.0, -1)
-    names = ("MAX_ROWS", "MAX_PAD_WASTE", "SMALL_ROWS", "MIN_THREADS", "MAX_ROWS_FP32", "MIN_EXPERTS")
+    names = (
+        "MAX_ROWS",
+        "MAX_PAD_WASTE",
+        "SMALL_ROWS",
+        "MIN_THREADS",
+        "MAX_ROWS_FP32",
+        "MIN_EXPERTS",
+        "MIN_EXPERTS_FP32",
+    )
     saved = {name: getattr(cpu, name) for name in names}
-    forced = (*limits, 1, limits[0], 1 if force_padded else 10**9)
+    min_experts = 1 if force_padded else 10**9
+    forced = (*limits, 1, limits[0], min_experts, min_experts)
     for name, value in zip(names, forced):
         setattr(cpu, name, value)
     try:

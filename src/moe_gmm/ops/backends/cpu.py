@@ -1,24 +1,28 @@
-"""Grouped matmul tuned for CPUs: one batched GEMM for small groups, a loop for large ones.
+"""Grouped matmul tuned for CPUs: one batched GEMM when groups are even, a per-expert loop otherwise.
 
 Legend: M rows, K in-features, N out-features, E experts, P padded rows per expert,
 ``dest_M`` the row of the padded ``[E * P, ...]`` buffer that holds each of the M rows.
 
-Where the time goes on a CPU (see ``benchmarks/RESULTS.md`` for the profile): with many experts and
-few rows each (decode, E >= 64 with short sequences) a per-expert loop spends its time on per-call
-overhead, BLAS kernel dispatch for a new tiny shape, and fork/join of the BLAS threads for every
-expert, while the work itself is bound by reading each expert's weight once. With few large
-groups the loop is already near the BLAS peak.
+Where the time goes on a CPU (see ``benchmarks/RESULTS.md`` for the profiles):
+
+- a per-expert loop pays per-call overhead, BLAS kernel setup for every new shape and a fork/join
+  of the BLAS threads for every expert; with many small experts that dominates, and oneDNN's
+  bf16/fp16 GEMMs pay it even for big groups (a loop of 8 bf16 GEMMs of 256 x 1024 x 1024 measured
+  up to 6x slower than one ``bmm`` of the same work);
+- a fresh output of tens of MiB is page-faulted in and zeroed by the kernel on first touch, which
+  took longer than computing a bf16 weight gradient: every output here comes from
+  :mod:`moe_gmm.ops.host_cache`, which reuses memory nothing refers to any more.
 
 So each call picks a strategy from the group sizes (read on the host: they live on the CPU):
 
 - ``padded``: every group padded to the largest group's P rows and the whole problem run as ONE
   ``torch.bmm`` of ``[E, P, K] x [E, K, N]``: each expert's weight is read once, in place (any
   strides, including the transposed view of an ``[E, N, K]`` parameter), the BLAS threads split the
-  batch, and there is no per-expert dispatch. Chosen when the groups are small (P <= ``max_rows``)
-  and padding wastes at most ``max_pad_waste`` times the real rows.
-- ``loop``: torch's grouped_mm (a C++ loop of GEMMs) when it accepts the inputs, else the eager
-  loop. Chosen for large or very uneven groups (e.g. skewed routing with many empty experts),
-  where padding would multiply the work.
+  batch, and there is no per-expert dispatch. Chosen when padding wastes little (see :func:`plan`).
+- ``loop``: one ``torch.mm`` per non-empty expert, written straight into the output (the eager
+  backend's loop). Chosen for very uneven groups (skewed routing with many empty experts), where
+  padding would multiply the work, and for float32 groups of more than a few rows (MKL's fp32
+  GEMMs are cheap to call).
 
 Padding rows never reach the outputs: forward and grad_input gather only the real rows back, and
 grad_weight zero-fills the padding of both operands (so NaN left in reused memory cannot leak in),
@@ -33,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_gmm.ops.backends import eager, torch_native
+from moe_gmm.ops import host_cache
+from moe_gmm.ops.backends import eager
 from moe_gmm.ops.backends.base import GmmBackend, host_bounds
 
 __all__ = ["BACKEND", "GmmPlan", "plan", "release_workspace"]
@@ -49,19 +54,19 @@ class GmmPlan:
 
 
 # Thresholds of the strategy choice, measured on the benchmark set (benchmarks/RESULTS.md).
-# With 2 threads, one padded bmm beat grouped_mm's loop 1.7-7x whenever groups were <= a few
-# hundred rows and padding added <= ~1.4x rows: the loop forks and joins the BLAS threads once
-# per expert, and on a busy machine every join waits for a descheduled thread, while bmm splits
-# the batch between threads once. With one thread there is no join to save and the loop was
-# 1.1-1.4x faster (bmm pays the padding and the gather back), so ``padded`` needs >= 2 threads.
-# With few experts (E=8, 128 or 1024 rows each) the loop was 1.1-1.5x faster at any thread count:
-# there are only E joins to save. So ``padded`` needs >= MIN_EXPERTS experts.
-# float32 (MKL) has cheap small GEMMs: with 64-90 rows per expert the loop won 1.1-1.3x, so fp32
-# pads only tiny groups; bf16/fp16 (oneDNN) pay a per-call setup that batching removes (1.1-1.2x there).
-# Tiny groups (decode) read far more weight bytes than they compute, so padding them is cheap.
+# With 2 threads, one padded bmm beat the loop 1.7-7x whenever padding added <= ~1.4x rows: the
+# loop forks and joins the BLAS threads once per expert (on a busy machine every join waits for a
+# descheduled thread), while bmm splits the batch between threads once. With one thread there is
+# no join to save and the loop was 1.1-1.4x faster (bmm pays the padding and the gather back), so
+# ``padded`` needs >= 2 threads.
+# bf16/fp16 (oneDNN) pay a per-call setup that batching removes at any group size, so they pad
+# from 2 experts up, limited only by the waste. float32 (MKL) has cheap small GEMMs: with 64-90
+# rows per expert the loop won 1.1-1.3x, and with E=8 at any size, so fp32 pads only tiny groups
+# (decode: far more weight bytes read than FLOPs) of at least MIN_EXPERTS_FP32 experts.
 MIN_THREADS = 2
-MIN_EXPERTS = 16
-MAX_ROWS = 768
+MIN_EXPERTS = 2
+MIN_EXPERTS_FP32 = 16
+MAX_ROWS = 1 << 30  # bf16/fp16: no row limit of their own; the padding waste decides
 MAX_ROWS_FP32 = 64
 MAX_PAD_WASTE = 1.5
 SMALL_ROWS = 64
@@ -78,10 +83,10 @@ def plan(
     """Choose the strategy for group bounds ``[0, end_0, ..., end_{E-1}]`` (defaults: the module's thresholds).
 
     ``padded`` when torch runs at least ``MIN_THREADS`` intra-op threads, there are at least
-    ``MIN_EXPERTS`` experts, and the largest group P
-    and the padding waste ``E * P / M`` are both small enough: P <= ``max_rows`` (``MAX_ROWS``, or
-    ``MAX_ROWS_FP32`` for float32) with waste <=
-    ``max_pad_waste``, or P <= ``SMALL_ROWS`` with waste <= ``SMALL_PAD_WASTE``; otherwise ``loop``.
+    ``MIN_EXPERTS`` experts (``MIN_EXPERTS_FP32`` for float32), and the largest group P and the
+    padding waste ``E * P / M`` are both small enough: P <= ``max_rows`` (``MAX_ROWS``, or
+    ``MAX_ROWS_FP32`` for float32) with waste <= ``max_pad_waste``, or P <= ``SMALL_ROWS`` with
+    waste <= ``SMALL_PAD_WASTE``; otherwise ``loop``.
     """
     if max_rows is None:
         max_rows = MAX_ROWS_FP32 if dtype == torch.float32 else MAX_ROWS
@@ -89,7 +94,8 @@ def plan(
     counts = tuple(b - a for a, b in itertools.pairwise(bounds))
     num_rows = bounds[-1]
     largest = max(counts, default=0)
-    if num_rows == 0 or torch.get_num_threads() < MIN_THREADS or len(counts) < MIN_EXPERTS:
+    min_experts = MIN_EXPERTS_FP32 if dtype == torch.float32 else MIN_EXPERTS
+    if num_rows == 0 or torch.get_num_threads() < MIN_THREADS or len(counts) < min_experts:
         return GmmPlan("loop", 0, counts)
     waste = len(counts) * largest / num_rows
     small = largest <= min(SMALL_ROWS, max_rows) and waste <= max(SMALL_PAD_WASTE, max_pad_waste)
@@ -148,32 +154,22 @@ def _padded_product(a_MK: torch.Tensor, b_EKN: torch.Tensor, p: GmmPlan) -> torc
     a_EPK = _pad(a_MK, dest_M, p, "a", zero=False)
     out_EPN = _workspace.get("out", num_experts * p.padded_rows * n, a_MK.dtype).view(num_experts, p.padded_rows, n)
     torch.bmm(a_EPK, b_EKN, out=out_EPN)
-    return out_EPN.view(-1, n).index_select(0, dest_M)
-
-
-def _loop_backend(dtype: torch.dtype, k: int, n: int) -> GmmBackend:
-    """grouped_mm's loop when it takes a ``[*, k] x [E, k, n]`` problem of ``dtype``, else the eager loop.
-
-    All three passes ask about the *forward* problem's K and N, so they agree on one backend.
-    """
-    probe_x, probe_w = torch.empty(0, k, dtype=dtype), torch.empty(0, k, n, dtype=dtype)  # shapes only
-    if torch_native.BACKEND.refusal(probe_x, probe_w) is None:
-        return torch_native.BACKEND
-    return eager.BACKEND
+    out_MN = host_cache.empty((a_MK.shape[0], n), dtype=a_MK.dtype)
+    return torch.index_select(out_EPN.view(-1, n), 0, dest_M, out=out_MN)
 
 
 def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
     p = plan(host_bounds(group_ends_E), x_MK.dtype)
     if p.strategy == "padded":
         return _padded_product(x_MK, w_EKN, p)
-    return _loop_backend(x_MK.dtype, w_EKN.shape[1], w_EKN.shape[2]).forward(x_MK, w_EKN, group_ends_E)
+    return eager.forward(x_MK, w_EKN, group_ends_E)
 
 
 def grad_input(dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
     p = plan(host_bounds(group_ends_E), dy_MN.dtype)
     if p.strategy == "padded":
         return _padded_product(dy_MN, w_EKN.transpose(1, 2), p)
-    return _loop_backend(dy_MN.dtype, w_EKN.shape[1], w_EKN.shape[2]).grad_input(dy_MN, w_EKN, group_ends_E)
+    return eager.grad_input(dy_MN, w_EKN, group_ends_E)
 
 
 def grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
@@ -183,8 +179,9 @@ def grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Ten
         # Both paddings zero: 0 * (NaN or stale data in the scratch) could still be NaN.
         x_EPK = _pad(x_MK, dest_M, p, "a", zero=True)
         dy_EPN = _pad(dy_MN, dest_M, p, "b", zero=True)
-        return torch.bmm(x_EPK.transpose(1, 2), dy_EPN)
-    return _loop_backend(x_MK.dtype, x_MK.shape[1], dy_MN.shape[1]).grad_weight(x_MK, dy_MN, group_ends_E)
+        dw_EKN = host_cache.empty((len(p.counts), x_MK.shape[1], dy_MN.shape[1]), dtype=x_MK.dtype)
+        return torch.bmm(x_EPK.transpose(1, 2), dy_EPN, out=dw_EKN)
+    return eager.grad_weight(x_MK, dy_MN, group_ends_E)
 
 
 BACKEND = GmmBackend(
