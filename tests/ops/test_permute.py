@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -236,3 +238,17 @@ def test_every_output_element_is_written(poisoned_memory):
     # Uninitialised memory is NaN here: the row scatter in unpermute's backward must cover every row.
     _check_round_trip(num_tokens=10, top_k=3, num_experts=5, hidden=8, routing="duplicate_topk", dtype=torch.float32)
     _check_round_trip(num_tokens=10, top_k=3, num_experts=8, hidden=8, routing="empty", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", (*DTYPES, torch.float16), ids=str)
+@pytest.mark.parametrize("chunk_tokens", [1, 3, 7])
+def test_chunked_reductions_match_reference(monkeypatch, dtype, chunk_tokens):
+    # Real shapes fit one chunk in these tests; shrink the chunk so every loop runs many times,
+    # with a last chunk shorter than the others.
+    permute_module = importlib.import_module("moe_gmm.ops.permute")  # the module; the package exports the function
+
+    top_k, hidden = 3, 16
+    row_bytes = top_k * hidden * 4
+    monkeypatch.setattr(permute_module, "_CHUNK_BYTES", chunk_tokens * row_bytes)
+    assert permute_module._token_step(top_k, hidden, torch.float32) == chunk_tokens
+    _check_round_trip(num_tokens=23, top_k=top_k, num_experts=5, hidden=hidden, routing="uneven", dtype=dtype)
