@@ -7,7 +7,8 @@ columns ``[:I]`` of our ``gate_up_proj [E, H, 2I]`` are the gate, and Hugging Fa
 first I rows, so the transposed view ``gate_up_proj.transpose(1, 2)`` keeps the same meaning.
 
 A ``torch.library`` custom op whose backward saves only the input (the activation is recomputed),
-so autograd keeps one ``[.., 2I]`` tensor instead of three; math runs in float32 for 16-bit inputs.
+so autograd keeps one ``[.., 2I]`` tensor instead of three; math runs in float32 for 16-bit inputs,
+a chunk of rows at a time, into outputs from :mod:`moe_gmm.ops.host_cache`.
 On an Ascend NPU with torch_npu the forward runs ``npu_swiglu`` (``moe_gmm.ops.npu_fused``).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
-from moe_gmm.ops import npu_fused
+from moe_gmm.ops import host_cache, npu_fused
 
 __all__ = ["swiglu"]
 
@@ -27,13 +28,36 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# Rows are processed ~1 MiB of float32 at a time: widening a whole [R, 2I] 16-bit activation to
+# float32 streams temporaries twice its size through memory several times per pass, while a chunk
+# stays in cache (see benchmarks/RESULTS.md).
+_CHUNK_BYTES = 1 << 20
+
+
+def _row_chunks(x: torch.Tensor):
+    """``(start, end)`` row ranges of the 2-D view of ``x``, about ``_CHUNK_BYTES`` of float32 each."""
+    rows, width = x.shape[0], x.shape[1]
+    step = max(1, _CHUNK_BYTES // max(1, 4 * width))
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+
+
 @torch.library.custom_op("moe_gmm::swiglu", mutates_args=())
 def _swiglu_op(x: torch.Tensor) -> torch.Tensor:
     vendor = npu_fused.vendor_ops_for(x)
     if vendor is not None:
         return npu_fused.swiglu_forward(vendor, x)
-    gate, up = x.to(_acc_dtype(x.dtype)).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    acc = _acc_dtype(x.dtype)
+    x_R2I = _as_rows(x)
+    half = x_R2I.shape[1] // 2
+    y_RI = host_cache.empty((x_R2I.shape[0], half), dtype=x.dtype, device=x.device)
+    for r0, r1 in _row_chunks(x_R2I):
+        gate, up = x_R2I[r0:r1].to(acc).chunk(2, dim=-1)
+        y_RI[r0:r1].copy_(torch.nn.functional.silu(gate).mul_(up))
+    return y_RI.view(*x.shape[:-1], half)
 
 
 @_swiglu_op.register_fake
@@ -45,11 +69,15 @@ def _swiglu_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # First-order only, like grouped_matmul: silu_backward computes dy * d silu(g)/dg in one fused
     # pass (3x faster on CPU than spelling out the sigmoid terms) but has no derivative itself.
     acc = _acc_dtype(x.dtype)
-    gate, up = x.to(acc).chunk(2, dim=-1)
-    dy = grad_out.to(acc)
-    grad_gate = torch.ops.aten.silu_backward(dy * up, gate)
-    grad_up = dy * torch.nn.functional.silu(gate)
-    return torch.cat((grad_gate, grad_up), dim=-1).to(x.dtype)
+    x_R2I, dy_RI = _as_rows(x), _as_rows(grad_out)
+    half = x_R2I.shape[1] // 2
+    dx_R2I = host_cache.empty(tuple(x_R2I.shape), dtype=x.dtype, device=x.device)
+    for r0, r1 in _row_chunks(x_R2I):
+        gate, up = x_R2I[r0:r1].to(acc).chunk(2, dim=-1)
+        dy = dy_RI[r0:r1].to(acc)
+        dx_R2I[r0:r1, :half].copy_(torch.ops.aten.silu_backward(dy * up, gate))
+        dx_R2I[r0:r1, half:].copy_(torch.nn.functional.silu(gate).mul_(dy))
+    return dx_R2I.view(x.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
