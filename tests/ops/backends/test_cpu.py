@@ -31,7 +31,6 @@ def strategy(request, monkeypatch):
     if request.param == "padded":
         monkeypatch.setattr(cpu, "MIN_THREADS", 1)
         monkeypatch.setattr(cpu, "MIN_EXPERTS", 1)
-        monkeypatch.setattr(cpu, "MIN_EXPERTS_FP32", 1)
         monkeypatch.setattr(cpu, "MAX_ROWS", 10**9)
         monkeypatch.setattr(cpu, "MAX_ROWS_FP32", 10**9)
         monkeypatch.setattr(cpu, "MAX_PAD_WASTE", float("inf"))
@@ -158,10 +157,10 @@ def test_plan_choice(monkeypatch):
     mid = bounds([200, 190, 210, 205] * 4)  # 16 experts, mid-size, little padding
     assert cpu.plan(mid).strategy == "padded"
     assert cpu.plan(mid, torch.float32).strategy == "loop"  # MKL's small fp32 GEMMs are cheap
-    big = bounds([1000, 1010, 990, 1000] * 2)  # 8 big even groups
+    big = bounds([1000, 1010, 990, 1000] * 4)  # 16 big even groups
     assert cpu.plan(big).strategy == "padded"  # oneDNN's per-call setup: batching pays at any size
     assert cpu.plan(big, torch.float32).strategy == "loop"
-    assert cpu.plan(bounds([4, 3, 4, 2]), torch.float32).strategy == "loop"  # fp32, few experts
+    assert cpu.plan(bounds([4, 3, 4, 2])).strategy == "loop"  # few experts: few joins to save
     assert cpu.plan(bounds([60] + [0] * 30)).strategy == "loop"  # skewed: padding multiplies the rows
     assert cpu.plan(bounds([600, 10, 0, 300, 0, 0, 5, 80])).strategy == "loop"
     assert cpu.plan(bounds([0] * 20)).strategy == "loop"
@@ -195,11 +194,9 @@ def test_random_groups(counts, k, n, dtype, force_padded, seed):
         "MIN_THREADS",
         "MAX_ROWS_FP32",
         "MIN_EXPERTS",
-        "MIN_EXPERTS_FP32",
     )
     saved = {name: getattr(cpu, name) for name in names}
-    min_experts = 1 if force_padded else 10**9
-    forced = (*limits, 1, limits[0], min_experts, min_experts)
+    forced = (*limits, 1, limits[0], 1 if force_padded else 10**9)
     for name, value in zip(names, forced):
         setattr(cpu, name, value)
     try:
@@ -207,3 +204,12 @@ def test_random_groups(counts, k, n, dtype, force_padded, seed):
     finally:
         for name, value in saved.items():
             setattr(cpu, name, value)
+
+
+def test_loop_pass_choice():
+    # Small outputs: grouped_mm's C++ loop; outputs worth caching, or unaligned K/N: the eager loop.
+    w = torch.zeros(4, 64, 32)
+    assert cpu._loop_for(torch.zeros(8, 64), w, 8 * 32).name == "torch"
+    big_rows = cpu.GROUPED_MM_MAX_OUT_BYTES // (32 * 4) + 1
+    assert cpu._loop_for(torch.zeros(big_rows, 64), w, big_rows * 32).name == "eager"
+    assert cpu._loop_for(torch.zeros(8, 63), torch.zeros(4, 63, 32), 8 * 32).name == "eager"

@@ -6,9 +6,7 @@ Legend: M rows, K in-features, N out-features, E experts, P padded rows per expe
 Where the time goes on a CPU (see ``benchmarks/RESULTS.md`` for the profiles):
 
 - a per-expert loop pays per-call overhead, BLAS kernel setup for every new shape and a fork/join
-  of the BLAS threads for every expert; with many small experts that dominates, and oneDNN's
-  bf16/fp16 GEMMs pay it even for big groups (a loop of 8 bf16 GEMMs of 256 x 1024 x 1024 measured
-  up to 6x slower than one ``bmm`` of the same work);
+  of the BLAS threads for every expert; with many small experts that dominates;
 - a fresh output of tens of MiB is page-faulted in and zeroed by the kernel on first touch, which
   took longer than computing a bf16 weight gradient: every output here comes from
   :mod:`moe_gmm.ops.host_cache`, which reuses memory nothing refers to any more.
@@ -19,10 +17,11 @@ So each call picks a strategy from the group sizes (read on the host: they live 
   ``torch.bmm`` of ``[E, P, K] x [E, K, N]``: each expert's weight is read once, in place (any
   strides, including the transposed view of an ``[E, N, K]`` parameter), the BLAS threads split the
   batch, and there is no per-expert dispatch. Chosen when padding wastes little (see :func:`plan`).
-- ``loop``: one ``torch.mm`` per non-empty expert, written straight into the output (the eager
-  backend's loop). Chosen for very uneven groups (skewed routing with many empty experts), where
-  padding would multiply the work, and for float32 groups of more than a few rows (MKL's fp32
-  GEMMs are cheap to call).
+- ``loop``: one GEMM per non-empty expert: grouped_mm's C++ loop for small forward/grad_input
+  outputs, else the eager backend's loop writing straight into a cached output (always for
+  grad_weight). Chosen for few experts, for very uneven groups (skewed routing with many empty
+  experts), where padding would multiply the work, and for float32 groups of more than a few rows
+  (MKL's fp32 GEMMs are cheap to call).
 
 Padding rows never reach the outputs: forward and grad_input gather only the real rows back, and
 grad_weight zero-fills the padding of both operands (so NaN left in reused memory cannot leak in),
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_gmm.ops import host_cache
-from moe_gmm.ops.backends import eager
+from moe_gmm.ops.backends import eager, torch_native
 from moe_gmm.ops.backends.base import GmmBackend, host_bounds
 from moe_gmm.ops.row_copy import gather_rows, zero_rows_
 
@@ -60,19 +59,22 @@ class GmmPlan:
 # descheduled thread), while bmm splits the batch between threads once. With one thread there is
 # no join to save and the loop was 1.1-1.4x faster (bmm pays the padding and the gather back), so
 # ``padded`` needs >= 2 threads.
-# bf16/fp16 (oneDNN) pay a per-call setup that batching removes at any group size, so they pad
-# from 2 experts up, limited only by the waste. float32 (MKL) has cheap small GEMMs: with 64-90
-# rows per expert the loop won 1.1-1.3x, and with E=8 at any size, so fp32 pads only tiny groups
-# (decode: far more weight bytes read than FLOPs) of at least MIN_EXPERTS_FP32 experts.
+# With few experts (E=8/16, 128-2048 rows each) the loop was as fast or up to 1.3x faster at any
+# thread count: there are only E joins to save, and padding plus the gather back cost more. So
+# ``padded`` needs >= MIN_EXPERTS experts. float32 (MKL) has cheap small GEMMs: with 64-90 rows per
+# expert the loop won 1.0-1.2x, so fp32 pads only tiny groups (decode: far more weight bytes read
+# than FLOPs); bf16/fp16 (oneDNN) pay a per-call setup that batching removes.
 MIN_THREADS = 2
-MIN_EXPERTS = 2
-MIN_EXPERTS_FP32 = 16
+MIN_EXPERTS = 16
 MAX_ROWS = 1 << 30  # bf16/fp16: no row limit of their own; the padding waste decides
 MAX_ROWS_FP32 = 64
 MAX_PAD_WASTE = 1.5
 SMALL_ROWS = 64
 SMALL_PAD_WASTE = 3.0
 GRAD_WEIGHT_ROW_MULTIPLE = 32
+# Larger loop outputs come from host_cache: E8 with 2048 rows each (a 32 MiB bf16 output) took
+# 45.6 ms in the eager loop against 56.6 ms in grouped_mm, whose fresh output is faulted in.
+GROUPED_MM_MAX_OUT_BYTES = 4 << 20
 
 
 def plan(
@@ -85,7 +87,7 @@ def plan(
     """Choose the strategy for group bounds ``[0, end_0, ..., end_{E-1}]`` (defaults: the module's thresholds).
 
     ``padded`` when torch runs at least ``MIN_THREADS`` intra-op threads, there are at least
-    ``MIN_EXPERTS`` experts (``MIN_EXPERTS_FP32`` for float32), and the largest group P and the
+    ``MIN_EXPERTS`` experts, and the largest group P and the
     padding waste ``E * P / M`` are both small enough: P <= ``max_rows`` (``MAX_ROWS``, or
     ``MAX_ROWS_FP32`` for float32) with waste <= ``max_pad_waste``, or P <= ``SMALL_ROWS`` with
     waste <= ``SMALL_PAD_WASTE``; otherwise ``loop``.
@@ -96,8 +98,7 @@ def plan(
     counts = tuple(b - a for a, b in itertools.pairwise(bounds))
     num_rows = bounds[-1]
     largest = max(counts, default=0)
-    min_experts = MIN_EXPERTS_FP32 if dtype == torch.float32 else MIN_EXPERTS
-    if num_rows == 0 or torch.get_num_threads() < MIN_THREADS or len(counts) < min_experts:
+    if num_rows == 0 or torch.get_num_threads() < MIN_THREADS or len(counts) < MIN_EXPERTS:
         return GmmPlan("loop", 0, counts)
     waste = len(counts) * largest / num_rows
     small = largest <= min(SMALL_ROWS, max_rows) and waste <= max(SMALL_PAD_WASTE, max_pad_waste)
@@ -183,18 +184,32 @@ def _padded_product(a_MK: torch.Tensor, b_EKN: torch.Tensor, p: GmmPlan) -> torc
     return gather_rows(out_EPN.view(-1, n), _row_layout(p.counts, p.padded_rows).dest_M)
 
 
+def _loop_for(x_MK: torch.Tensor, w_EKN: torch.Tensor, out_numel: int) -> GmmBackend:
+    """The loop for a forward or grad_input pass: grouped_mm's C++ loop for outputs up to
+    ``GROUPED_MM_MAX_OUT_BYTES`` (it pays less per expert than a Python loop: 1.43 against 1.79 ms
+    for 8 experts of 128 rows, 2.6 against 3.7 ms for 256 experts of 2), else the eager loop writing into a cached output (grouped_mm allocates a
+    fresh one, page-faulted in on every call). Asks about the *forward* problem's K and N in both
+    passes, so an unaligned shape takes the eager loop in both."""
+    if out_numel * x_MK.element_size() > GROUPED_MM_MAX_OUT_BYTES:
+        return eager.BACKEND
+    probe_w = torch.empty(0, *w_EKN.shape[1:], dtype=w_EKN.dtype)  # shapes only
+    if torch_native.BACKEND.refusal(x_MK[:0], probe_w) is None:
+        return torch_native.BACKEND
+    return eager.BACKEND
+
+
 def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
     p = plan(host_bounds(group_ends_E), x_MK.dtype)
     if p.strategy == "padded":
         return _padded_product(x_MK, w_EKN, p)
-    return eager.forward(x_MK, w_EKN, group_ends_E)
+    return _loop_for(x_MK, w_EKN, x_MK.shape[0] * w_EKN.shape[2]).forward(x_MK, w_EKN, group_ends_E)
 
 
 def grad_input(dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
     p = plan(host_bounds(group_ends_E), dy_MN.dtype)
     if p.strategy == "padded":
         return _padded_product(dy_MN, w_EKN.transpose(1, 2), p)
-    return eager.grad_input(dy_MN, w_EKN, group_ends_E)
+    return _loop_for(dy_MN, w_EKN, dy_MN.shape[0] * w_EKN.shape[1]).grad_input(dy_MN, w_EKN, group_ends_E)
 
 
 def grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
