@@ -209,7 +209,8 @@ def test_random_groups(counts, k, n, dtype, force_padded, seed):
 def test_loop_pass_choice():
     # Small outputs: grouped_mm's C++ loop; outputs worth caching, or unaligned K/N: the eager loop.
     w = torch.zeros(4, 64, 32)
-    assert cpu._loop_for(torch.zeros(8, 64), w, 8 * 32).name == "torch"
-    big_rows = cpu.GROUPED_MM_MAX_OUT_BYTES // (32 * 4) + 1
-    assert cpu._loop_for(torch.zeros(big_rows, 64), w, big_rows * 32).name == "eager"
-    assert cpu._loop_for(torch.zeros(8, 63), torch.zeros(4, 63, 32), 8 * 32).name == "eager"
+    assert cpu._loop_for(w, 8, 32).name == "torch"
+    big_rows = cpu.GROUPED_MM_MAX_OUT_BYTES // (32 * 4) + 1  # float32 rows of 32
+    assert cpu._loop_for(w, big_rows, 32).name == "eager"
+    assert cpu._loop_for(torch.zeros(4, 63, 32), 8, 32).name == "eager"  # K unaligned
+    assert cpu._loop_for(torch.zeros(4, 63, 32), 8, 63).name == "eager"  # grad_input asks about the same K

@@ -184,16 +184,20 @@ def _padded_product(a_MK: torch.Tensor, b_EKN: torch.Tensor, p: GmmPlan) -> torc
     return gather_rows(out_EPN.view(-1, n), _row_layout(p.counts, p.padded_rows).dest_M)
 
 
-def _loop_for(x_MK: torch.Tensor, w_EKN: torch.Tensor, out_numel: int) -> GmmBackend:
-    """The loop for a forward or grad_input pass: grouped_mm's C++ loop for outputs up to
-    ``GROUPED_MM_MAX_OUT_BYTES`` (it pays less per expert than a Python loop: 1.43 against 1.79 ms
-    for 8 experts of 128 rows, 2.6 against 3.7 ms for 256 experts of 2), else the eager loop writing into a cached output (grouped_mm allocates a
-    fresh one, page-faulted in on every call). Asks about the *forward* problem's K and N in both
-    passes, so an unaligned shape takes the eager loop in both."""
-    if out_numel * x_MK.element_size() > GROUPED_MM_MAX_OUT_BYTES:
+def _loop_for(w_EKN: torch.Tensor, out_rows: int, out_width: int) -> GmmBackend:
+    """The loop for a forward or grad_input pass with an ``[out_rows, out_width]`` output.
+
+    grouped_mm's C++ loop for outputs up to ``GROUPED_MM_MAX_OUT_BYTES`` (it pays less per expert
+    than a Python loop: 1.43 against 1.79 ms for 8 experts of 128 rows, 2.6 against 3.7 ms for 256
+    experts of 2), else the eager loop writing into a cached output (grouped_mm allocates a fresh
+    one, page-faulted in on every call). Asks grouped_mm about the weight's *forward* problem
+    (K and N) in both passes, so an unaligned shape takes the eager loop in both.
+    """
+    if out_rows * out_width * w_EKN.element_size() > GROUPED_MM_MAX_OUT_BYTES:
         return eager.BACKEND
-    probe_w = torch.empty(0, *w_EKN.shape[1:], dtype=w_EKN.dtype)  # shapes only
-    if torch_native.BACKEND.refusal(x_MK[:0], probe_w) is None:
+    k, n = w_EKN.shape[1], w_EKN.shape[2]
+    probe_x, probe_w = torch.empty(0, k, dtype=w_EKN.dtype), torch.empty(0, k, n, dtype=w_EKN.dtype)  # shapes only
+    if torch_native.BACKEND.refusal(probe_x, probe_w) is None:
         return torch_native.BACKEND
     return eager.BACKEND
 
@@ -202,14 +206,14 @@ def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor)
     p = plan(host_bounds(group_ends_E), x_MK.dtype)
     if p.strategy == "padded":
         return _padded_product(x_MK, w_EKN, p)
-    return _loop_for(x_MK, w_EKN, x_MK.shape[0] * w_EKN.shape[2]).forward(x_MK, w_EKN, group_ends_E)
+    return _loop_for(w_EKN, x_MK.shape[0], w_EKN.shape[2]).forward(x_MK, w_EKN, group_ends_E)
 
 
 def grad_input(dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
     p = plan(host_bounds(group_ends_E), dy_MN.dtype)
     if p.strategy == "padded":
         return _padded_product(dy_MN, w_EKN.transpose(1, 2), p)
-    return _loop_for(dy_MN, w_EKN, dy_MN.shape[0] * w_EKN.shape[1]).grad_input(dy_MN, w_EKN, group_ends_E)
+    return _loop_for(w_EKN, dy_MN.shape[0], w_EKN.shape[1]).grad_input(dy_MN, w_EKN, group_ends_E)
 
 
 def grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
