@@ -46,8 +46,12 @@ def test_case_sets_and_impl_names():
     assert [c.name for c in case_set("qwen")] == ["E64-k8-T1024", "E64-k8-T4096", "E256-k8-T1024", "E256-k8-T4096"]
     assert case_set("quick")[0].flops("fwdbwd") == 3 * case_set("quick")[0].flops("fwd")
     assert [i.name for i in layer_impls(["moe_gmm"])] == ["hf_eager", "moe_gmm"]
+    assert [i.name for i in layer_impls(["moe_gmm"], "hf_grouped_mm")] == ["hf_grouped_mm", "moe_gmm"]
+    assert [c.num_experts for c in case_set("experts")] == [8, 64, 128, 256]
     with pytest.raises(ValueError, match="impls"):
         layer_impls(["nope"])
+    with pytest.raises(ValueError, match="reference"):
+        layer_impls(["moe_gmm"], "hf_fast")
     with pytest.raises(ValueError, match="case set"):
         case_set("huge")
 
@@ -65,3 +69,17 @@ def test_runner_writes_json_and_markdown(tmp_path, monkeypatch):
     assert data["breakdown"][0]["ms_per_step"]["fwd"]["gmm"] > 0
     text = md.read_text()
     assert "moe_gmm time by phase" in text and "| gmm |" in text
+
+
+def test_runner_with_another_reference(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr(moe_layer, "measure_limits", lambda dtypes, quick=False: LIMITS)
+    out = tmp_path / "moe_layer.json"
+    argv = ["--cases", "tiny", "--dtype", "fp32", "--modes", "fwdbwd", "--repeats", "1", "--breakdown-steps", "0"]
+    argv += ["--impls", "moe_gmm", "--reference", "hf_grouped_mm", "--no-progress", "--out", str(out)]
+    assert moe_layer.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert {r["impl"] for r in data["rows"]} == {"hf_grouped_mm", "moe_gmm"}
+    assert data["reference"] == "hf_grouped_mm"
+    assert all(r["rel_err"] < 1e-5 for r in data["rows"])

@@ -212,14 +212,14 @@ def _ours_impl(name: str) -> Impl:
     )
 
 
-def layer_impls(names: list[str] | None = None) -> list[Impl]:
-    """``hf_eager`` (the reference) first, then the requested implementations."""
+def layer_impls(names: list[str] | None = None, reference: str = "hf_eager") -> list[Impl]:
+    """The requested implementations and the ``reference`` (``hf_eager`` unless told otherwise)."""
     names = list(names or DEFAULT_IMPLS)
-    unknown = [n for n in names if n not in IMPLS]
+    unknown = [n for n in (*names, reference) if n not in IMPLS]
     if unknown:
-        raise ValueError(f"--impls: unknown {unknown}; choose from {list(IMPLS)}")
-    if "hf_eager" not in names:
-        names.insert(0, "hf_eager")
+        raise ValueError(f"--impls/--reference: unknown {unknown}; choose from {list(IMPLS)}")
+    if reference not in names:
+        names.insert(0, reference)
     if "hf_moe_gmm" in names:
         register_moe_gmm_experts()
     return [_hf_impl(n) if n in _HF_IMPL else _ours_impl(n) for n in IMPLS if n in names]
@@ -227,13 +227,21 @@ def layer_impls(names: list[str] | None = None) -> list[Impl]:
 
 def case_set(name: str) -> list[MoeLayerCase]:
     """``tiny``: a smoke test; ``quick``: a scaled-down block (under a minute on two cores);
-    ``qwen``: Qwen3.5-MoE proportions (hidden 2048, intermediate 512, top-8, E 64/256, T 1024/4096)."""
+    ``qwen``: Qwen3.5-MoE proportions (hidden 2048, intermediate 512, top-8, E 64/256, T 1024/4096);
+    ``cpu``: E 8 (top-2) and 64 (top-8) sized for two cores; ``experts``: E 8/64/128/256 at H1024 I256 T512."""
     if name == "tiny":
         return [MoeLayerCase(num_experts=4, num_tokens=8, top_k=2, hidden=16, intermediate=8, shared_intermediate=8)]
     if name == "quick":
         return [MoeLayerCase(num_experts=32, num_tokens=256, hidden=512, intermediate=128, shared_intermediate=128)]
     if name == "qwen":
         return [MoeLayerCase(num_experts=e, num_tokens=t) for e in (64, 256) for t in (1024, 4096)]
+    if name == "experts":
+        # E 8..256 at one shape (2-core sized): with --reference hf_grouped_mm, since hf_eager's
+        # backward takes minutes per step at E=256.
+        return [
+            MoeLayerCase(num_experts=e, num_tokens=512, top_k=8, hidden=1024, intermediate=256, shared_intermediate=256)
+            for e in (8, 64, 128, 256)
+        ]
     if name == "cpu":
         # Sized for a 2-core CPU, where hf_eager's O(E^2) backward bounds what can run (E <= 64).
         return [
@@ -247,7 +255,7 @@ def case_set(name: str) -> list[MoeLayerCase]:
     raise ValueError(f"case set must be one of {CASE_SETS}, got {name!r}")
 
 
-CASE_SETS = ("tiny", "quick", "qwen", "cpu")
+CASE_SETS = ("tiny", "quick", "qwen", "cpu", "experts")
 
 # Forward phases are the layer's own labels; backward phases are our autograd labels and the
 # grouped matmul's grad ops (each custom op is one profiler event).
@@ -361,7 +369,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--filter", default=None, help="only cases whose name contains this text")
     p.add_argument("--dtype", default="fp32,bf16", help="comma list of fp32, bf16")
     p.add_argument("--modes", default="fwd,fwdbwd", help="comma list of fwd, bwd, fwdbwd")
-    p.add_argument("--impls", default=None, help=f"comma list from {', '.join(IMPLS)} (hf_eager always runs)")
+    p.add_argument("--impls", default=None, help=f"comma list from {', '.join(IMPLS)} (the reference always runs)")
+    p.add_argument(
+        "--reference",
+        default="hf_eager",
+        choices=IMPLS,
+        help="numerics and speed-up reference (default hf_eager; its O(E^2) backward takes minutes per step "
+        "at E=256 on a CPU, so large-E runs compare against hf_grouped_mm)",
+    )
     p.add_argument("--breakdown-steps", type=int, default=3, help="profiled steps per phase breakdown (0: none)")
     p.add_argument(
         "--memory",
@@ -391,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not cases:
         raise SystemExit("no case matches --cases/--filter")
-    impls = layer_impls(split_choices(args.impls, IMPLS, "--impls") if args.impls else None)
+    impls = layer_impls(split_choices(args.impls, IMPLS, "--impls") if args.impls else None, args.reference)
     settings = (
         TimingSettings(warmup=1, min_repeats=3, max_repeats=5, min_seconds=0.0) if args.quick else TimingSettings()
     )
@@ -419,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             limits=limits,
             machine=describe_machine(),
             settings=settings,
-            reference="hf_eager",
+            reference=args.reference,
             primary="moe_gmm" if "moe_gmm" in names else None,
             title="MoE layer (Qwen3.5-MoE sparse block): " + ", ".join(names),
             command=command.strip(),
