@@ -228,7 +228,8 @@ def layer_impls(names: list[str] | None = None, reference: str = "hf_eager") -> 
 def case_set(name: str) -> list[MoeLayerCase]:
     """``tiny``: a smoke test; ``quick``: a scaled-down block (under a minute on two cores);
     ``qwen``: Qwen3.5-MoE proportions (hidden 2048, intermediate 512, top-8, E 64/256, T 1024/4096);
-    ``cpu``: E 8 (top-2) and 64 (top-8) sized for two cores; ``experts``: E 8/64/128/256 at H1024 I256 T512."""
+    ``cpu``: E 8 (top-2) and 64 (top-8) sized for two cores; ``experts``: E 8 (top-2) and 64/128/256
+    (top-8) at H1024 I256 T512."""
     if name == "tiny":
         return [MoeLayerCase(num_experts=4, num_tokens=8, top_k=2, hidden=16, intermediate=8, shared_intermediate=8)]
     if name == "quick":
@@ -239,7 +240,14 @@ def case_set(name: str) -> list[MoeLayerCase]:
         # E 8..256 at one shape (2-core sized): with --reference hf_grouped_mm, since hf_eager's
         # backward takes minutes per step at E=256.
         return [
-            MoeLayerCase(num_experts=e, num_tokens=512, top_k=8, hidden=1024, intermediate=256, shared_intermediate=256)
+            MoeLayerCase(
+                num_experts=e,
+                num_tokens=512,
+                top_k=2 if e == 8 else 8,
+                hidden=1024,
+                intermediate=256,
+                shared_intermediate=256,
+            )
             for e in (8, 64, 128, 256)
         ]
     if name == "cpu":
