@@ -165,7 +165,7 @@ def empty(shape: Sequence[int], *, dtype: torch.dtype, device: torch.device | st
     """An uninitialised contiguous tensor like ``torch.empty``; on CPU, large ones reuse idle cached memory."""
     device = torch.device(device)
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < MIN_BYTES or _storage_use_count is None:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
     storage = _cache.storage(nbytes)

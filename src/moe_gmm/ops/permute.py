@@ -55,7 +55,7 @@ def _empty(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None
 
 def _token_step(top_k: int, hidden: int, acc: torch.dtype) -> int:
     """Tokens per chunk: about ``_CHUNK_BYTES`` of ``[tokens, k, H]`` in the accumulation dtype."""
-    row_bytes = max(1, top_k * hidden * torch.empty((), dtype=acc).element_size())
+    row_bytes = max(1, top_k * hidden * acc.itemsize)
     return max(1, _CHUNK_BYTES // row_bytes)
 
 
