@@ -156,6 +156,7 @@ class _HostCache:
     def clear(self) -> None:
         with self._lock:
             self._slots.clear()
+            self._hits = self._misses = 0
 
 
 _cache = _HostCache()
@@ -194,5 +195,5 @@ def stats() -> CacheStats:
 
 
 def clear() -> None:
-    """Forget every cached storage; memory no tensor uses any more goes back to the system."""
+    """Forget every cached storage and reset the hit/miss counts; memory no tensor uses any more goes back to the system."""
     _cache.clear()
