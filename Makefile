@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
 	$(PIP) install -e ".[test]"
+	$(PY) -m moe_gmm.ops.native
 	touch $(STAMP)
 
 validate: $(STAMP)

@@ -41,3 +41,23 @@ def poisoned_memory():
     finally:
         deterministic.fill_uninitialized_memory = was_fill
         torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
+
+
+@pytest.fixture(params=["native", "composed"])
+def glue_path(request):
+    """Run a test on the native CPU kernels and again on the composed torch ops they replace.
+
+    ``native`` is skipped only where no C++ compiler exists; a compiler whose build fails is an error.
+    """
+    from moe_gmm.ops import native
+
+    if request.param == "composed":
+        with native.disabled():
+            yield request.param
+        return
+    if not native.enabled():
+        pytest.skip("native kernels turned off by MOE_GMM_NATIVE")
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler here: the native kernels cannot be built")
+    assert native.available(), native.unavailable_reason()
+    yield request.param

@@ -23,6 +23,9 @@ from moe_gmm.testing import (
 
 DTYPES = (torch.float32, torch.bfloat16)
 
+# Every test runs on the native CPU kernels and on the composed torch ops (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("glue_path")
+
 
 def _inputs(num_tokens, top_k, num_experts, hidden, routing, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -13,6 +13,9 @@ from hypothesis import strategies as st
 from moe_gmm import swiglu
 from moe_gmm.testing import assert_rel_close, reference_swiglu, tolerance_for
 
+# Every test runs on the native CPU kernels and on the composed torch ops (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("glue_path")
+
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
 @pytest.mark.parametrize("shape", [(7, 12), (2, 3, 10), (0, 6)])

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
-from moe_gmm.ops import host_cache, npu_fused
+from moe_gmm.ops import host_cache, native, npu_fused
 from moe_gmm.ops.row_copy import gather_rows
 
 __all__ = ["permute", "unpermute"]
@@ -67,6 +67,12 @@ def _weighted_slot_sum(src_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_T
     """
     num_rows, hidden = src_RH.shape
     num_tokens = num_rows // top_k if top_k > 0 else 0
+    kernels = native.ops(src_RH)
+    if kernels is not None and num_rows > 0:
+        out_TH = _empty((num_tokens, hidden), src_RH)
+        probs = None if probs_Tk is None else probs_Tk.to(torch.float32).contiguous()
+        kernels.slot_sum(src_RH.contiguous(), row_id_map_R.contiguous(), probs, top_k, out_TH)
+        return out_TH
     acc = _acc_dtype(src_RH.dtype)
     step = min(_token_step(top_k, hidden, acc), max(num_tokens, 1))
     out_TH = _empty((num_tokens, hidden), src_RH)
@@ -172,12 +178,37 @@ def _unpermute_backward(ctx, grad_out_TH):
 
 def _unpermute_grads(ctx, grad_out_TH):
     expert_out_RH, row_id_map_R, probs_Tk = ctx.saved_tensors
+    kernels = native.ops(expert_out_RH, grad_out_TH)
+    if kernels is not None and expert_out_RH.numel() > 0:
+        return _unpermute_grads_native(
+            kernels, ctx.needs_input_grad, grad_out_TH, expert_out_RH, row_id_map_R, probs_Tk
+        )
     grad_expert_out = grad_probs = None
     if ctx.needs_input_grad[0]:
         grad_expert_out = _grad_expert_out(grad_out_TH, row_id_map_R, probs_Tk, expert_out_RH.dtype)
     if ctx.needs_input_grad[2]:
         grad_probs = _grad_probs(grad_out_TH, expert_out_RH, row_id_map_R, probs_Tk)
     return grad_expert_out, None, grad_probs
+
+
+def _unpermute_grads_native(kernels, needs_input_grad, grad_out_TH, expert_out_RH, row_id_map_R, probs_Tk):
+    """Both gradients in one pass over the tokens: each grad_out row is read and widened once."""
+    num_tokens, top_k = probs_Tk.shape
+    grad_out = grad_out_TH.to(expert_out_RH.dtype).contiguous()
+    nothing = grad_out.new_empty(0)
+    grad_expert_out = _empty(tuple(expert_out_RH.shape), expert_out_RH) if needs_input_grad[0] else None
+    grad_probs = (
+        torch.empty(num_tokens, top_k, dtype=torch.float32, device=probs_Tk.device) if needs_input_grad[2] else None
+    )
+    kernels.unpermute_backward(
+        grad_out,
+        expert_out_RH.contiguous() if grad_probs is not None else nothing,
+        row_id_map_R.contiguous(),
+        probs_Tk.to(torch.float32).contiguous(),
+        nothing if grad_expert_out is None else grad_expert_out,
+        nothing.float() if grad_probs is None else grad_probs,
+    )
+    return grad_expert_out, None, None if grad_probs is None else grad_probs.to(probs_Tk.dtype)
 
 
 def _grad_expert_out(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
-from moe_gmm.ops import host_cache, npu_fused
+from moe_gmm.ops import host_cache, native, npu_fused
 
 __all__ = ["swiglu"]
 
@@ -54,6 +54,10 @@ def _swiglu_op(x: torch.Tensor) -> torch.Tensor:
     x_R2I = _as_rows(x)
     half = x_R2I.shape[1] // 2
     y_RI = host_cache.empty((x_R2I.shape[0], half), dtype=x.dtype, device=x.device)
+    kernels = native.ops(x)
+    if kernels is not None:
+        kernels.swiglu(x_R2I.contiguous(), y_RI)
+        return y_RI.view(*x.shape[:-1], half)
     for r0, r1 in _row_chunks(x_R2I):
         gate, up = x_R2I[r0:r1].to(acc).chunk(2, dim=-1)
         y_RI[r0:r1].copy_(torch.nn.functional.silu(gate).mul_(up))
@@ -72,6 +76,10 @@ def _swiglu_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     x_R2I, dy_RI = _as_rows(x), _as_rows(grad_out)
     half = x_R2I.shape[1] // 2
     dx_R2I = host_cache.empty(tuple(x_R2I.shape), dtype=x.dtype, device=x.device)
+    kernels = native.ops(x, grad_out)
+    if kernels is not None and grad_out.dtype == x.dtype:
+        kernels.swiglu_backward(dy_RI.contiguous(), x_R2I.contiguous(), dx_R2I)
+        return dx_R2I.view(x.shape)
     for r0, r1 in _row_chunks(x_R2I):
         gate, up = x_R2I[r0:r1].to(acc).chunk(2, dim=-1)
         dy = dy_RI[r0:r1].to(acc)

@@ -1,0 +1,222 @@
+"""Native CPU kernels for the memory-bound glue around the grouped matmul (permute/unpermute sums, SwiGLU).
+
+``kernels.cpp`` holds the kernels (read its header for what each computes). It is compiled on first
+use with the system C++ compiler against the installed torch into a per-user cache, then loaded
+with ``torch.ops.load_library``; ``make setup`` builds it once up front
+(``python -m moe_gmm.ops.native``). A build takes a few seconds; the library is keyed by the
+source, the torch version, the compiler and the CPU, so a change to any of them rebuilds it.
+
+Without a working compiler the ops fall back to their composed torch paths, which compute the same
+values (a warning says why once). ``MOE_GMM_NATIVE=0`` turns the kernels off;
+``MOE_GMM_NATIVE_DIR`` moves the cache (default ``~/.cache/moe_gmm/native``); ``CXX`` picks the
+compiler.
+
+Why native at all: composed from torch ops, an unpermute of bfloat16 rows gathers, widens to
+float32, reduces and narrows back, one pass through memory each; the kernel reads each row once
+(T512 k2 H1024: 0.66 ms composed, 0.09 ms native; see ``benchmarks/RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "available",
+    "build",
+    "compiler",
+    "disabled",
+    "enabled",
+    "library_path",
+    "ops",
+    "set_enabled",
+    "unavailable_reason",
+]
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BUILD_TIMEOUT_S = 600
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"loaded": False, "reason": None, "tried": False}
+_enabled = os.environ.get("MOE_GMM_NATIVE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def compiler() -> str | None:
+    """The C++ compiler the build uses (``CXX``, else c++, g++ or clang++ on PATH), or None."""
+    for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    return None
+
+
+def _cpu_signature() -> str:
+    # -march=native code must not run on another CPU: the CPU's flags are part of the cache key.
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _torch_dir() -> Path:
+    return Path(torch.__file__).parent
+
+
+def _flags() -> list[str]:
+    torch_dir = _torch_dir()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        "-O3",
+        "-march=native",
+        "-fno-math-errno",
+        "-fno-trapping-math",
+        "-mprefer-vector-width=512",
+        "-fopenmp",
+        "-shared",
+        "-fPIC",
+        "-std=c++20",
+        "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{torch_dir / 'include'}",
+        f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-L{torch_dir / 'lib'}",
+        f"-Wl,-rpath,{torch_dir / 'lib'}",
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+
+
+def _cache_dir() -> Path:
+    override = os.environ.get("MOE_GMM_NATIVE_DIR")
+    return Path(override) if override else Path.home() / ".cache" / "moe_gmm" / "native"
+
+
+def library_path(cxx: str | None = None) -> Path:
+    """Where the library for this source, torch, compiler ``cxx`` and CPU lives (built or not)."""
+    cxx = cxx or compiler() or "none"
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cxx.encode(), _cpu_signature().encode()):
+        key.update(part)
+        key.update(b"\0")
+    key.update(" ".join(_flags()).encode())
+    return _cache_dir() / f"moe_gmm_native_{key.hexdigest()[:16]}.so"
+
+
+def build(*, force: bool = False) -> Path:
+    """Compile ``kernels.cpp`` into the cache (unless already there) and return the library's path.
+
+    Concurrent builders (several processes of a distributed job) each compile to a private file and
+    rename it into place, so a reader never sees a partial library. Raises ``RuntimeError`` with
+    the compiler's output when the build fails.
+    """
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    target = library_path(cxx)
+    if target.exists() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [cxx, str(SOURCE), "-o", tmp_name, *_flags()]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+        os.replace(tmp_name, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+    return target
+
+
+def _load() -> bool:
+    with _lock:
+        if _state["tried"]:
+            return bool(_state["loaded"])
+        _state["tried"] = True
+        try:
+            torch.ops.load_library(str(build()))
+            _state["loaded"] = True
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # use the composed torch path
+            _state["reason"] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"moe_gmm native CPU kernels unavailable, using the torch path: {_state['reason']}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return bool(_state["loaded"])
+
+
+def available() -> bool:
+    """True when the kernels are enabled, built and loaded (builds them on the first call)."""
+    return _enabled and _load()
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False (None when it is True or was not asked yet)."""
+    return _state["reason"]  # type: ignore[return-value]
+
+
+def enabled() -> bool:
+    """Whether the ops use the native kernels when they can (``MOE_GMM_NATIVE``; :func:`set_enabled`)."""
+    return _enabled
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn the native kernels on or off for this process; returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(flag)
+    return previous
+
+
+def ops(*tensors: torch.Tensor):
+    """``torch.ops.moe_gmm_native`` when every tensor is a CPU tensor of a supported dtype and the
+    kernels are enabled and loaded, else None (the caller takes its torch path)."""
+    if not _enabled:
+        return None
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype not in DTYPES:
+            return None
+    if not _load():
+        return None
+    return torch.ops.moe_gmm_native
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run a block on the composed torch paths (for comparisons and tests)."""
+    previous = set_enabled(False)
+    try:
+        yield
+    finally:
+        set_enabled(previous)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m moe_gmm.ops.native``: build (or find) the library and say where it is."""
+    del argv
+    try:
+        path = build()
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        print(f"moe_gmm native kernels: not built ({exc}); the torch paths will be used", file=sys.stderr)
+        return 0
+    print(f"moe_gmm native kernels: {path}")
+    return 0

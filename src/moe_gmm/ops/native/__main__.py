@@ -1,0 +1,5 @@
+import sys
+
+from moe_gmm.ops.native import main
+
+sys.exit(main())
