@@ -131,7 +131,15 @@ def build(*, force: bool = False) -> Path:
     target = library_path(cxx)
     if target.exists() and not force:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        # An unwritable home (some CI and container setups): a per-user temporary directory.
+        fallback = Path(tempfile.gettempdir()) / f"moe_gmm_native_{os.getuid()}"
+        fallback.mkdir(parents=True, exist_ok=True)
+        target = fallback / target.name
+        if target.exists() and not force:
+            return target
     fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
