@@ -220,3 +220,20 @@ def test_turned_off_by_environment(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "WARNINGS []" in done.stdout  # nothing was tried, so nothing to warn about
     assert not list(tmp_path.iterdir()), "turned off: nothing may be built"
+
+
+@needs_kernels
+def test_swiglu_saturates_like_float64_for_large_gates():
+    # exp's exponent is clamped to the normal range: far out, silu(g) must still be ~0 or ~g.
+    gate = torch.cat([torch.linspace(-300, 300, 601), torch.tensor([-88.7, -87.3, 87.3, 88.7, 0.0])])
+    x = torch.cat([gate[:, None].repeat(1, 4), torch.full((gate.numel(), 4), 1.5)], 1)  # [n, 8]: gate | up
+    x64 = x.double().requires_grad_(True)
+    y64 = reference_swiglu(x64)
+    dy = torch.ones(y64.shape, dtype=torch.float64)
+    (dx64,) = torch.autograd.grad(y64, x64, dy)
+    leaf = x.clone().requires_grad_(True)
+    y = swiglu(leaf)
+    (dx,) = torch.autograd.grad(y, leaf, dy.float())
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all()
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-30)
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-5, atol=1e-30)

@@ -25,10 +25,15 @@ from moe_gmm.testing import (
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=["padded", "loop"])
+@pytest.fixture(params=["padded", "padded_by_expert", "loop"])
 def strategy(request, monkeypatch):
-    """Force one strategy by moving the thresholds of the plan (the code paths stay the real ones)."""
-    if request.param == "padded":
+    """Force one strategy by moving the thresholds of the plan (the code paths stay the real ones).
+
+    ``padded_by_expert`` runs the padded path one expert per bmm (the smallest chunk it takes).
+    """
+    if request.param == "padded_by_expert":
+        monkeypatch.setattr(cpu, "PADDED_CHUNK_BYTES", 1)
+    if request.param.startswith("padded"):
         monkeypatch.setattr(cpu, "MIN_THREADS", 1)
         monkeypatch.setattr(cpu, "MIN_EXPERTS", 1)
         monkeypatch.setattr(cpu, "MAX_ROWS", 10**9)
@@ -38,7 +43,7 @@ def strategy(request, monkeypatch):
         monkeypatch.setattr(cpu, "MAX_ROWS", -1)
         monkeypatch.setattr(cpu, "MAX_ROWS_FP32", -1)
         monkeypatch.setattr(cpu, "SMALL_ROWS", -1)
-    return request.param
+    return request.param.removesuffix("_by_expert")
 
 
 def _plan_strategy(counts, dtype):
