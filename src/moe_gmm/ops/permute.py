@@ -18,8 +18,11 @@ traces a layer through them. Neither uses atomics: the forward of ``permute`` an
 ``[n, 1, k] @ [n, k, H]`` batched GEMM), accumulated in float32 for 16-bit inputs. Results are
 therefore reproducible run to run. Large outputs come from :mod:`moe_gmm.ops.host_cache`.
 
-On an Ascend NPU with torch_npu the forward passes run the vendor's fused kernels
-(``moe_gmm.ops.npu_fused``); the backward formulas are the same everywhere.
+On CPU (float32, bfloat16, float16) the k-way sums and both of unpermute's gradients run as
+one-pass native kernels (:mod:`moe_gmm.ops.native`: slot order and float32 accumulation as above,
+each row read once); the composed torch path below stays for other devices, float64 and machines
+without a C++ compiler. On an Ascend NPU with torch_npu the forward passes run the vendor's fused
+kernels (``moe_gmm.ops.npu_fused``); the backward formulas are the same everywhere.
 """
 
 from __future__ import annotations

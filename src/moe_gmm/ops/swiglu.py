@@ -8,7 +8,8 @@ first I rows, so the transposed view ``gate_up_proj.transpose(1, 2)`` keeps the 
 
 A ``torch.library`` custom op whose backward saves only the input (the activation is recomputed),
 so autograd keeps one ``[.., 2I]`` tensor instead of three; math runs in float32 for 16-bit inputs,
-a chunk of rows at a time, into outputs from :mod:`moe_gmm.ops.host_cache`.
+into outputs from :mod:`moe_gmm.ops.host_cache`: on CPU in one pass per row by a native kernel
+(:mod:`moe_gmm.ops.native`), elsewhere (and without a C++ compiler) a chunk of rows at a time.
 On an Ascend NPU with torch_npu the forward runs ``npu_swiglu`` (``moe_gmm.ops.npu_fused``).
 """
 
