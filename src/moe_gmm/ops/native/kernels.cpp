@@ -121,6 +121,7 @@ void unpermute_backward_kernel(const T* grad_out, const T* expert_out, const int
   // Dot products are summed in kLanes partial sums (vectorisable without reassociation flags) and
   // the lanes added in order at the end.
   constexpr int64_t kLanes = 16;
+  static_assert(kBlock % kLanes == 0);
   at::parallel_for(0, num_tokens, grain_rows(hidden * top_k), [&](int64_t t0, int64_t t1) {
     std::vector<float> g(hidden);
     alignas(64) float row[kBlock];
@@ -140,9 +141,14 @@ void unpermute_backward_kernel(const T* grad_out, const T* expert_out, const int
             narrow(scaled, grad_expert_out + r * hidden + h0, n);
           }
           if (grad_probs) {
-            // Lanes run over the row's absolute position h0 + h, so blocking does not change the sum.
+            // Lane l sums positions h0 + h with h % kLanes == l (kBlock is a multiple of kLanes, so
+            // that is the row's absolute position): blocking does not change the sum.
             widen(expert_out + r * hidden + h0, row, n);
-            for (int64_t h = 0; h < n; ++h) lanes[(h0 + h) % kLanes] += gw[h0 + h] * row[h];
+            const float* gb = gw + h0;
+            int64_t h = 0;
+            for (; h + kLanes <= n; h += kLanes)
+              for (int64_t l = 0; l < kLanes; ++l) lanes[l] += gb[h + l] * row[h + l];
+            for (int64_t l = 0; h < n; ++h, ++l) lanes[l] += gb[h] * row[h];
           }
         }
         if (grad_probs) {
