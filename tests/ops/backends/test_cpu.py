@@ -219,3 +219,22 @@ def test_loop_pass_choice():
     assert cpu._loop_for(w, big_rows, 32).name == "eager"
     assert cpu._loop_for(torch.zeros(4, 63, 32), 8, 32).name == "eager"  # K unaligned
     assert cpu._loop_for(torch.zeros(4, 63, 32), 8, 63).name == "eager"  # grad_input asks about the same K
+
+
+@pytest.mark.parametrize("num_experts", [1, 7, 16, 60, 64, 256])
+@pytest.mark.parametrize("chunk_bytes", [1, 64 << 10, 4 << 20])
+def test_expert_runs_cover_every_expert_in_order(monkeypatch, num_experts, chunk_bytes):
+    monkeypatch.setattr(cpu, "PADDED_CHUNK_BYTES", chunk_bytes)
+    counts = tuple((e * 7) % 5 for e in range(num_experts))
+    p = cpu.GmmPlan("padded", max(counts), counts)
+    runs = cpu._expert_chunks(p, rows=8, width=1024, dtype=torch.bfloat16)
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    assert [r[0] for r in runs] == [0, *(r[1] for r in runs[:-1])] and runs[-1][1] == num_experts
+    assert all((r[2], r[3]) == (bounds[r[0]], bounds[r[1]]) for r in runs)
+    threads = torch.get_num_threads()
+    sizes = [r[1] - r[0] for r in runs]
+    assert all(size % threads == 0 for size in sizes[:-1]), "every run but the last splits evenly between threads"
+    if num_experts in (16, 64, 256) and threads in (1, 2, 4):
+        assert len(set(sizes)) == 1, "E with a fitting divisor runs in one bmm shape"

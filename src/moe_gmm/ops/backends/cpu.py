@@ -193,6 +193,11 @@ def _expert_chunks(p: GmmPlan, rows: int, width: int, dtype: torch.dtype) -> lis
     # idle a third of the time: E64 T2048 H2048 forward 79.5 ms against 63.0 for one bmm).
     step = max(PADDED_CHUNK_BYTES // per_expert, 2 * threads)
     step -= step % threads
+    # Runs of one size where E allows: oneDNN compiles and caches a kernel per bmm shape (about
+    # 1 MiB each), so a remainder run is a second shape to hold.
+    even = [d for d in range(step, threads - 1, -threads) if len(p.counts) % d == 0]
+    if even and even[0] * 2 > step:
+        step = even[0]
     bounds = list(itertools.accumulate(p.counts, initial=0))
     return [
         (e0, min(e0 + step, len(p.counts)), bounds[e0], bounds[min(e0 + step, len(p.counts))])
