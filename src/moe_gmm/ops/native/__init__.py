@@ -82,12 +82,16 @@ def _torch_dir() -> Path:
 def _flags() -> list[str]:
     torch_dir = _torch_dir()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    import platform
+
+    # gcc keeps x86 loops at 256-bit vectors unless told; the option exists on x86 only.
+    x86 = ["-mprefer-vector-width=512"] if platform.machine().lower() in ("x86_64", "amd64") else []
     return [
         "-O3",
         "-march=native",
         "-fno-math-errno",
         "-fno-trapping-math",
-        "-mprefer-vector-width=512",
+        *x86,
         "-fopenmp",
         "-shared",
         "-fPIC",
@@ -156,10 +160,11 @@ def build(*, force: bool = False) -> Path:
 
 
 def _load() -> bool:
+    if _state["tried"]:  # the per-call path: no lock once the first call has decided
+        return bool(_state["loaded"])
     with _lock:
         if _state["tried"]:
             return bool(_state["loaded"])
-        _state["tried"] = True
         try:
             torch.ops.load_library(str(build()))
             _state["loaded"] = True
@@ -170,6 +175,8 @@ def _load() -> bool:
                 RuntimeWarning,
                 stacklevel=3,
             )
+        # Set last: a thread on the lock-free path above sees "tried" only once "loaded" is final.
+        _state["tried"] = True
         return bool(_state["loaded"])
 
 
