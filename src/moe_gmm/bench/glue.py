@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,9 @@ def _composed(fn):
     return run
 
 
-def run(cases=CASES, dtypes=("fp32", "bf16"), settings: TimingSettings | None = None) -> dict[str, Any]:
+def run(
+    cases: Sequence[GlueCase] = CASES, dtypes: Sequence[str] = ("fp32", "bf16"), settings: TimingSettings | None = None
+) -> dict[str, Any]:
     """Time every case; returns the report (machine, bandwidth, one row per case, dtype and op)."""
     settings = settings or TimingSettings(warmup=2, min_repeats=10, max_repeats=50, min_seconds=0.5)
     if not native.available():
