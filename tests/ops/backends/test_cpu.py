@@ -1,4 +1,4 @@
-"""The ``cpu`` backend: both of its strategies (padded bmm, loop) held to the grouped-matmul contract.
+"""The ``cpu`` backend: each of its strategies (AMX tiles, padded bmm, loop) held to the grouped-matmul contract.
 
 The generic contract tests (tests/ops/test_grouped_matmul.py, test_backend_contract.py) already
 run every registered CPU backend, this one included, through ``auto``-style dispatch; here each
@@ -30,7 +30,9 @@ def strategy(request, monkeypatch):
     """Force one strategy by moving the thresholds of the plan (the code paths stay the real ones).
 
     ``padded_by_expert`` runs the padded path one expert per bmm (the smallest chunk it takes).
+    The AMX path is off here (it has its own tests below).
     """
+    monkeypatch.setattr(cpu, "USE_AMX", False)
     if request.param == "padded_by_expert":
         monkeypatch.setattr(cpu, "PADDED_CHUNK_BYTES", 1)
     if request.param.startswith("padded"):
@@ -238,3 +240,120 @@ def test_expert_runs_cover_every_expert_in_order(monkeypatch, num_experts, chunk
     assert all(size % threads == 0 for size in sizes[:-1]), "every run but the last splits evenly between threads"
     if num_experts in (16, 64, 256) and threads in (1, 2, 4):
         assert len(set(sizes)) == 1, "E with a fitting divisor runs in one bmm shape"
+
+
+# --- the AMX path (bfloat16, widths that are multiples of 32) -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def amx():
+    if not cpu.amx_available():
+        pytest.skip("the AMX path needs an x86 CPU with AMX-BF16 and the native kernels built")
+
+
+def _assert_takes_amx(counts, k, n, transposed_weight=False):
+    x, w, _ = gmm_inputs(counts, k, n, torch.bfloat16, transposed_weight=transposed_weight)
+    assert cpu._weight_layout(w) == ("ENK" if transposed_weight else "EKN")
+    assert cpu._amx(x, w, widths=(k, n)) is not None, "these inputs should take the AMX path"
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 70), min_size=1, max_size=9),
+    k=st.sampled_from([32, 64, 96, 288]),
+    n=st.sampled_from([32, 64, 160, 288]),
+    transposed_weight=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_amx_vs_float64_and_eager(amx, counts, k, n, transposed_weight, seed):
+    # Row counts on both sides of the 16-row tile and 32-row block; widths past one 256-wide panel.
+    _assert_takes_amx(counts, k, n, transposed_weight)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu, "AMX_NN_MAX_MEAN_ROWS", 10**9)  # the nn kernel at every row count
+        _check(counts, k, n, torch.bfloat16, transposed_weight=transposed_weight, seed=seed)
+
+
+def test_amx_nn_kernel_only_for_few_rows_per_expert(amx):
+    x, w, _ = gmm_inputs([40, 0, 60], 32, 64, torch.bfloat16)
+    ends = torch.tensor([40, 40, 100])
+    assert cpu._amx_product(x, w, ends, transpose_w=False) is None  # 50 rows per busy expert: the plan's path
+    assert cpu._amx_product(x[:80], w, torch.tensor([40, 40, 80]), transpose_w=False) is not None
+    assert cpu._amx_product(torch.zeros(100, 64, dtype=torch.bfloat16), w, ends, transpose_w=True) is not None
+
+
+def test_amx_grad_weight_hands_large_experts_to_onednn(amx, monkeypatch):
+    monkeypatch.setattr(cpu, "AMX_GRAD_WEIGHT_MAX_ROWS", 8)
+    _assert_takes_amx([3, 20, 0, 9, 8], 64, 32)
+    _check([3, 20, 0, 9, 8], 64, 32, torch.bfloat16)
+
+
+def test_amx_expanded_grad_output(amx):
+    _check([3, 0, 40], 32, 64, torch.bfloat16, expanded_grad=True)
+
+
+def test_amx_many_mostly_empty_experts(amx):
+    counts = [0] * 300
+    for e, c in ((3, 5), (100, 1), (299, 40), (256, 17)):
+        counts[e] = c
+    _check(counts, 32, 64, torch.bfloat16)
+
+
+def test_amx_writes_everything_under_poison(amx, poisoned_memory):
+    counts = [0, 7, 0, 0, 33, 0, 2]
+    x, w, _ = gmm_inputs(counts, 64, 96, torch.bfloat16)
+    dy = torch.randn(x.shape[0], 96).to(torch.bfloat16)
+    ends = torch.tensor(counts).cumsum(0)
+    impl = get_backend("cpu")
+    dx_ref, dw_ref = reference_grouped_matmul_grads(x, w, counts, dy)
+    rel = tolerance_for(torch.bfloat16).rel
+    for _ in range(2):  # the second call gets back cached memory holding the first call's results
+        assert_rel_close(impl.forward(x, w, ends), reference_grouped_matmul(x, w, counts), rel, "forward")
+        assert_rel_close(impl.grad_input(dy, w, ends), dx_ref, rel, "grad_input")
+        dw = impl.grad_weight(x, dy, ends)
+        assert_rel_close(dw, dw_ref, rel, "grad_weight")
+        assert bool((dw[[0, 2, 3, 5]] == 0).all())
+
+
+def test_amx_results_do_not_depend_on_thread_count(amx):
+    counts = [40, 0, 3, 70, 17]
+    x, w, _ = gmm_inputs(counts, 96, 320, torch.bfloat16)
+    dy = torch.randn(x.shape[0], 320).to(torch.bfloat16)
+    ends = torch.tensor(counts).cumsum(0)
+    impl = get_backend("cpu")
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append((impl.forward(x, w, ends), impl.grad_input(dy, w, ends), impl.grad_weight(x, dy, ends)))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for got, first in zip(other, results[0]):
+            assert torch.equal(got, first)
+
+
+def test_amx_falls_back_for_unaligned_widths(amx):
+    x, w, _ = gmm_inputs([3, 4], 48, 32, torch.bfloat16)
+    assert cpu._amx(x, w, widths=(48, 32)) is None
+    _check([3, 4], 48, 32, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda ops, a, b, e, o: ops.amx_gemm_nn(a[:, :16], b[:, :16], e, o), "multiple of 32"),
+        (lambda ops, a, b, e, o: ops.amx_gemm_nn(a, b, e - 1, o), "group_ends"),
+        (lambda ops, a, b, e, o: ops.amx_gemm_nn(a.float(), b, e, o), "bfloat16"),
+        (lambda ops, a, b, e, o: ops.amx_gemm_nt(a, b, e, o[:, :32]), "shapes do not match"),
+    ],
+)
+def test_amx_ops_reject_bad_operands(amx, call, message):
+    from moe_gmm.ops import native
+
+    a = torch.zeros(6, 64, dtype=torch.bfloat16)
+    b = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
+    ends = torch.tensor([2, 6])
+    out = torch.zeros(6, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=message):
+        call(native.ops(), a, b, ends, out)

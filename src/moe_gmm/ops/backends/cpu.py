@@ -11,7 +11,15 @@ Where the time goes on a CPU (see ``benchmarks/RESULTS.md`` for the profiles):
   took longer than computing a bf16 weight gradient: every output here comes from
   :mod:`moe_gmm.ops.host_cache`, which reuses memory nothing refers to any more.
 
-So each call picks a strategy from the group sizes (read on the host: they live on the CPU):
+So each call picks a strategy (group sizes are read on the host: they live on the CPU):
+
+- ``amx``: bfloat16 on a CPU with AMX, every width a multiple of 32: one native call per pass
+  (:mod:`moe_gmm.ops.native`, ``grouped_gemm_amx.cpp``) splits (expert, panel) tasks between the
+  threads and multiplies with AMX tiles, reading each expert's weight once. oneDNN reached
+  450-700 GFLOP/s on 64-row experts where AMX tiles do 2800+ on one large GEMM. grad_weight leaves
+  experts of more than ``AMX_GRAD_WEIGHT_MAX_ROWS`` rows to oneDNN, which is faster there.
+
+Otherwise, from the group sizes:
 
 - ``padded``: every group padded to the largest group's P rows and the problem run as a few
   ``torch.bmm`` calls of ``[e, P, K] x [e, K, N]``, each over a run of experts whose padded block
@@ -37,12 +45,12 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_gmm.ops import host_cache
+from moe_gmm.ops import host_cache, native
 from moe_gmm.ops.backends import eager, torch_native
 from moe_gmm.ops.backends.base import GmmBackend, host_bounds
 from moe_gmm.ops.row_copy import gather_rows, zero_rows_
 
-__all__ = ["BACKEND", "GmmPlan", "plan", "release_workspace"]
+__all__ = ["BACKEND", "GmmPlan", "amx_available", "plan", "release_workspace"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,18 @@ GROUPED_MM_MAX_OUT_BYTES = 4 << 20
 # at E64 T512 H1024 the layer's peak memory went from 1.26x to 1.21x its budget. A run holds at
 # least two experts per thread, a multiple of the thread count (see _expert_chunks).
 PADDED_CHUNK_BYTES = 4 << 20
+# The AMX path (bf16). Set False to use the strategies below for bf16 too.
+USE_AMX = True
+AMX_ALIGN = 32
+# The nn kernel (EKN forward, ENK grad_input) packs row segments of the weight and lost to oneDNN
+# past a few dozen rows per expert (2 threads, bf16, ms oneDNN/AMX: 16 rows K256 N1024 13.9/10.2,
+# K1024 N512 24.2/21.8; 64 rows K1024 N1024 25.3/27.3; 1024 rows K512 N1024 3.8/5.3); the nt
+# kernel (the other two) transposes 16 full rows at a time and won at every size measured
+# (64 rows K = N = 1024: 28.6 against 19.7 ms).
+AMX_NN_MAX_MEAN_ROWS = 48
+# oneDNN's loop against the AMX grad_weight per expert, K = N = 1024, 2 threads: 21.9 against
+# 19.1 ms at 128 rows each (E64), 14.6 against 19.0 at 256 (E32), 10.8 against 16.8 at 512 (E16).
+AMX_GRAD_WEIGHT_MAX_ROWS = 128
 
 
 def plan(
@@ -238,7 +258,73 @@ def _loop_for(w_EKN: torch.Tensor, out_rows: int, out_width: int) -> GmmBackend:
     return eager.BACKEND
 
 
+def amx_available() -> bool:
+    """Whether bfloat16 calls can take the AMX path here (native kernels built, CPU with AMX, OS grant)."""
+    ops = native.ops()
+    return ops is not None and _amx_granted(ops)
+
+
+_amx_state: dict[str, bool] = {}
+
+
+def _amx_granted(ops) -> bool:
+    if "granted" not in _amx_state:
+        _amx_state["granted"] = bool(ops.amx_gemm_supported())
+    return _amx_state["granted"]
+
+
+def _amx(*tensors: torch.Tensor, widths: tuple[int, ...]):
+    """The native ops when the AMX path takes these bfloat16 operands and ``widths``, else None."""
+    if not USE_AMX or any(t.dtype != torch.bfloat16 for t in tensors) or any(w % AMX_ALIGN for w in widths):
+        return None
+    ops = native.ops(*tensors)
+    if ops is None or not _amx_granted(ops):
+        return None
+    return ops
+
+
+def _weight_layout(w_EKN: torch.Tensor) -> str | None:
+    """``"EKN"`` (N contiguous), ``"ENK"`` (K contiguous: the transposed view of an ``[E, N, K]``
+    parameter), or None when neither holds (the AMX kernels need one unit stride, the other even)."""
+    if w_EKN.stride(2) == 1 and w_EKN.stride(1) % 2 == 0:
+        return "EKN"
+    if w_EKN.stride(1) == 1 and w_EKN.stride(2) % 2 == 0:
+        return "ENK"
+    return None
+
+
+def _unit_rows(t_MX: torch.Tensor) -> torch.Tensor:
+    return t_MX if t_MX.stride(1) == 1 else t_MX.contiguous()
+
+
+def _ends(group_ends_E: torch.Tensor) -> torch.Tensor:
+    return group_ends_E.to(torch.int64).contiguous()
+
+
+def _amx_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor, *, transpose_w: bool):
+    """``a[rows_e] @ w[e]`` (or ``@ w[e]^T``) on the AMX path; None when it does not apply."""
+    k, n = w_EKN.shape[1], w_EKN.shape[2]
+    layout = _weight_layout(w_EKN)
+    ops = _amx(a_MR, w_EKN, widths=(k, n)) if layout is not None else None
+    if ops is None:
+        return None
+    # EKN forward and ENK grad_input multiply by rows of the weight as stored (nn); the other two
+    # by the weight's transpose (nt). Either way the stored weight is read, never copied.
+    nn = (layout == "EKN") != transpose_w
+    if nn:
+        busy = int((group_ends_E.diff(prepend=group_ends_E.new_zeros(1)) > 0).sum())
+        if a_MR.shape[0] > AMX_NN_MAX_MEAN_ROWS * max(busy, 1):
+            return None
+    out = host_cache.empty((a_MR.shape[0], k if transpose_w else n), dtype=a_MR.dtype)
+    b = w_EKN if layout == "EKN" else w_EKN.transpose(1, 2)
+    (ops.amx_gemm_nn if nn else ops.amx_gemm_nt)(_unit_rows(a_MR), b, _ends(group_ends_E), out)
+    return out
+
+
 def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
+    out = _amx_product(x_MK, w_EKN, group_ends_E, transpose_w=False)
+    if out is not None:
+        return out
     p = plan(host_bounds(group_ends_E), x_MK.dtype)
     if p.strategy == "padded":
         return _padded_product(x_MK, w_EKN, p)
@@ -246,6 +332,9 @@ def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor)
 
 
 def grad_input(dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
+    out = _amx_product(dy_MN, w_EKN, group_ends_E, transpose_w=True)
+    if out is not None:
+        return out
     p = plan(host_bounds(group_ends_E), dy_MN.dtype)
     if p.strategy == "padded":
         return _padded_product(dy_MN, w_EKN.transpose(1, 2), p)
@@ -253,6 +342,15 @@ def grad_input(dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Ten
 
 
 def grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
+    ops = _amx(x_MK, dy_MN, widths=(x_MK.shape[1], dy_MN.shape[1]))
+    if ops is not None:
+        bounds = host_bounds(group_ends_E)
+        dw_EKN = host_cache.empty((len(bounds) - 1, x_MK.shape[1], dy_MN.shape[1]), dtype=x_MK.dtype)
+        ops.amx_gemm_tn(_unit_rows(x_MK), _unit_rows(dy_MN), _ends(group_ends_E), AMX_GRAD_WEIGHT_MAX_ROWS, dw_EKN)
+        for e, (start, end) in enumerate(itertools.pairwise(bounds)):
+            if end - start > AMX_GRAD_WEIGHT_MAX_ROWS:
+                torch.mm(x_MK[start:end].T, dy_MN[start:end], out=dw_EKN[e])
+        return dw_EKN
     p = plan(host_bounds(group_ends_E), x_MK.dtype)
     if p.strategy == "padded":
         # P is the reduction dimension here: a multiple of 32 keeps oneDNN's bf16 (AMX/VNNI) kernel on
@@ -278,5 +376,6 @@ BACKEND = GmmBackend(
     forward=forward,
     grad_input=grad_input,
     grad_weight=grad_weight,
-    notes="small even groups: padded bmm over runs of experts; large or uneven groups: a GEMM loop",
+    notes="bf16 with AMX: native tile kernels; else small even groups: padded bmm over runs of experts, "
+    "large or uneven groups: a GEMM loop",
 )

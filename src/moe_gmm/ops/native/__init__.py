@@ -1,7 +1,8 @@
-"""Native CPU kernels for the memory-bound glue around the grouped matmul (permute/unpermute sums, SwiGLU).
+"""Native CPU kernels: the memory-bound glue around the grouped matmul (permute/unpermute sums,
+SwiGLU) and, on CPUs with AMX, the bfloat16 grouped GEMM itself.
 
-``kernels.cpp`` holds the kernels (read its header for what each computes). It is compiled on first
-use with the system C++ compiler against the installed torch into a per-user cache, then loaded
+``kernels.cpp`` holds the glue kernels and ``grouped_gemm_amx.cpp`` the AMX GEMM (read their
+headers for what each computes). They are compiled on first use with the system C++ compiler against the installed torch into a per-user cache, then loaded
 with ``torch.ops.load_library``; ``make setup`` builds it once up front
 (``python -m moe_gmm.ops.native``). A build takes a few seconds; the library is keyed by the
 source, the torch version, the compiler and the CPU, so a change to any of them rebuilds it.
@@ -45,7 +46,7 @@ __all__ = [
     "unavailable_reason",
 ]
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCES = (Path(__file__).with_name("kernels.cpp"), Path(__file__).with_name("grouped_gemm_amx.cpp"))
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BUILD_TIMEOUT_S = 600
 
@@ -116,7 +117,8 @@ def library_path(cxx: str | None = None) -> Path:
     """Where the library for this source, torch, compiler ``cxx`` and CPU lives (built or not)."""
     cxx = cxx or compiler() or "none"
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cxx.encode(), _cpu_signature().encode()):
+    sources = [source.read_bytes() for source in SOURCES]
+    for part in (*sources, torch.__version__.encode(), cxx.encode(), _cpu_signature().encode()):
         key.update(part)
         key.update(b"\0")
     key.update(" ".join(_flags()).encode())
@@ -124,7 +126,7 @@ def library_path(cxx: str | None = None) -> Path:
 
 
 def build(*, force: bool = False) -> Path:
-    """Compile ``kernels.cpp`` into the cache (unless already there) and return the library's path.
+    """Compile the sources into the cache (unless already there) and return the library's path.
 
     Concurrent builders (several processes of a distributed job) each compile to a private file and
     rename it into place, so a reader never sees a partial library. Raises ``RuntimeError`` with
@@ -148,7 +150,7 @@ def build(*, force: bool = False) -> Path:
     fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cxx, str(SOURCE), "-o", tmp_name, *_flags()]
+        cmd = [cxx, *(str(source) for source in SOURCES), "-o", tmp_name, *_flags()]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
