@@ -261,12 +261,13 @@ def _assert_takes_amx(counts, k, n, transposed_weight=False):
 @given(
     counts=st.lists(st.integers(0, 70), min_size=1, max_size=9),
     k=st.sampled_from([32, 64, 96, 288]),
-    n=st.sampled_from([32, 64, 160, 288]),
+    n=st.sampled_from([32, 64, 160, 288, 544]),
     transposed_weight=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_amx_vs_float64_and_eager(amx, counts, k, n, transposed_weight, seed):
-    # Row counts on both sides of the 16-row tile and 32-row block; widths past one 256-wide panel.
+    # Row counts on both sides of the 16-row tile and 32-row block; widths past one panel (256 wide
+    # for nt and tn, 512 for nn) and depths past one chunk of nn (256 rows).
     _assert_takes_amx(counts, k, n, transposed_weight)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu, "AMX_NN_MAX_MEAN_ROWS", 10**9)  # the nn kernel at every row count
