@@ -30,9 +30,10 @@ def strategy(request, monkeypatch):
     """Force one strategy by moving the thresholds of the plan (the code paths stay the real ones).
 
     ``padded_by_expert`` runs the padded path one expert per bmm (the smallest chunk it takes).
-    The AMX path is off here (it has its own tests below).
+    The native GEMM paths (AMX, AVX-512) are off here: they have their own tests below.
     """
     monkeypatch.setattr(cpu, "USE_AMX", False)
+    monkeypatch.setattr(cpu, "USE_AVX512", False)
     if request.param == "padded_by_expert":
         monkeypatch.setattr(cpu, "PADDED_CHUNK_BYTES", 1)
     if request.param.startswith("padded"):
@@ -358,3 +359,60 @@ def test_amx_ops_reject_bad_operands(amx, call, message):
     out = torch.zeros(6, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=message):
         call(native.ops(), a, b, ends, out)
+
+
+# --- the AVX-512 float32 grad_weight ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def avx512():
+    from moe_gmm.ops import native
+
+    ops = native.ops()
+    if ops is None or not ops.avx512_gemm_supported():
+        pytest.skip("the AVX-512 grad_weight kernel needs an x86 CPU with AVX-512F and the native kernels built")
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=9),
+    k=st.integers(1, 100),
+    n=st.integers(1, 150),
+    max_rows=st.sampled_from([0, 16, 128]),
+    seed=st.integers(0, 2**16),
+)
+def test_avx512_grad_weight_vs_float64_and_eager(avx512, counts, k, n, max_rows, seed):
+    # Any widths (masked tails past 64 columns, partial 6-row blocks); experts above max_rows by MKL.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu, "AVX512_GRAD_WEIGHT_MAX_ROWS", max_rows)
+        x, w, _ = gmm_inputs(counts, k, n, torch.float32)
+        assert cpu._avx512(x, w) is not None
+        _check(counts, k, n, torch.float32, seed=seed)
+
+
+def test_avx512_grad_weight_writes_everything_under_poison(avx512, poisoned_memory):
+    counts = [0, 7, 0, 0, 33, 0, 2, 300]
+    x, w, _ = gmm_inputs(counts, 50, 96)
+    dy = torch.randn(x.shape[0], 96)
+    ends = torch.tensor(counts).cumsum(0)
+    _, dw_ref = reference_grouped_matmul_grads(x, w, counts, dy)
+    for _ in range(2):  # the second call gets back cached memory holding the first call's result
+        dw = get_backend("cpu").grad_weight(x, dy, ends)
+        assert_rel_close(dw, dw_ref, 1e-5, "grad_weight")
+        assert bool((dw[[0, 2, 3, 5]] == 0).all())
+
+
+def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512):
+    counts = [40, 0, 3, 70, 17]
+    x, _, _ = gmm_inputs(counts, 96, 8)
+    dy = torch.randn(x.shape[0], 200)
+    ends = torch.tensor(counts).cumsum(0)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(get_backend("cpu").grad_weight(x, dy, ends))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results[1:])

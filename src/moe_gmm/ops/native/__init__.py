@@ -46,7 +46,9 @@ __all__ = [
     "unavailable_reason",
 ]
 
-SOURCES = (Path(__file__).with_name("kernels.cpp"), Path(__file__).with_name("grouped_gemm_amx.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("kernels.cpp", "grouped_gemm_amx.cpp", "grouped_gemm_avx512.cpp")
+)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BUILD_TIMEOUT_S = 600
 
