@@ -1,4 +1,5 @@
-"""Grouped matmul tuned for CPUs: one batched GEMM when groups are even, a per-expert loop otherwise.
+"""Grouped matmul tuned for CPUs: native kernels where the CPU has AMX / AVX-512, else one batched
+GEMM when groups are even and a per-expert loop otherwise.
 
 Legend: M rows, K in-features, N out-features, E experts, P padded rows per expert,
 ``dest_M`` the row of the padded ``[E * P, ...]`` buffer that holds each of the M rows.
@@ -16,8 +17,10 @@ So each call picks a strategy (group sizes are read on the host: they live on th
 - ``amx``: bfloat16 on a CPU with AMX, every width a multiple of 32: one native call per pass
   (:mod:`moe_gmm.ops.native`, ``grouped_gemm_amx.cpp``) splits (expert, panel) tasks between the
   threads and multiplies with AMX tiles, reading each expert's weight once. oneDNN reached
-  450-700 GFLOP/s on 64-row experts where AMX tiles do 2800+ on one large GEMM. grad_weight leaves
-  experts of more than ``AMX_GRAD_WEIGHT_MAX_ROWS`` rows to oneDNN, which is faster there.
+  450-700 GFLOP/s on 64-row experts where AMX tiles do 2800+ on one large GEMM. Where the kernels
+  measured slower than oneDNN they step aside: the ``nn`` kernel (forward of an ``[E, K, N]``
+  weight, grad_input of an ``[E, N, K]`` one) past ``AMX_NN_MAX_MEAN_ROWS`` rows per busy expert,
+  grad_weight for experts of more than ``AMX_GRAD_WEIGHT_MAX_ROWS`` rows.
 
 - float32 grad_weight on a CPU with AVX-512: one native call (``grouped_gemm_avx512.cpp``) for
   experts of up to ``AVX512_GRAD_WEIGHT_MAX_ROWS`` rows, MKL for larger ones (MKL ran 160-170
