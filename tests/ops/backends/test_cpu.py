@@ -276,11 +276,14 @@ def test_amx_vs_float64_and_eager(amx, counts, k, n, transposed_weight, seed):
 
 
 def test_amx_nn_kernel_only_for_few_rows_per_expert(amx):
-    x, w, _ = gmm_inputs([40, 0, 60], 32, 64, torch.bfloat16)
-    ends = torch.tensor([40, 40, 100])
-    assert cpu._amx_product(x, w, ends, transpose_w=False) is None  # 50 rows per busy expert: the plan's path
-    assert cpu._amx_product(x[:80], w, torch.tensor([40, 40, 80]), transpose_w=False) is not None
-    assert cpu._amx_product(torch.zeros(100, 64, dtype=torch.bfloat16), w, ends, transpose_w=True) is not None
+    limit = cpu.AMX_NN_MAX_MEAN_ROWS
+    x, w, _ = gmm_inputs([limit, 0, limit + 2], 32, 64, torch.bfloat16)
+    ends = torch.tensor([limit, limit, 2 * limit + 2])
+    assert cpu._amx_product(x, w, ends, transpose_w=False) is None  # one row per busy expert too many
+    rows = 2 * limit
+    assert cpu._amx_product(x[:rows], w, torch.tensor([limit, limit, rows]), transpose_w=False) is not None
+    dy = torch.zeros(x.shape[0], 64, dtype=torch.bfloat16)
+    assert cpu._amx_product(dy, w, ends, transpose_w=True) is not None  # nt: any row count
 
 
 def test_amx_grad_weight_hands_large_experts_to_onednn(amx, monkeypatch):

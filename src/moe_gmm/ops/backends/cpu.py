@@ -101,12 +101,11 @@ PADDED_CHUNK_BYTES = 4 << 20
 # The AMX path (bf16). Set False to use the strategies below for bf16 too.
 USE_AMX = True
 AMX_ALIGN = 32
-# The nn kernel (EKN forward, ENK grad_input) packs row segments of the weight and lost to oneDNN
-# past a few dozen rows per expert (2 threads, bf16, ms oneDNN/AMX: 16 rows K256 N1024 13.9/10.2,
-# K1024 N512 24.2/21.8; 64 rows K1024 N1024 25.3/27.3; 1024 rows K512 N1024 3.8/5.3); the nt
-# kernel (the other two) transposes 16 full rows at a time and won at every size measured
-# (64 rows K = N = 1024: 28.6 against 19.7 ms).
-AMX_NN_MAX_MEAN_ROWS = 48
+# The nn kernel (EKN forward, ENK grad_input) against oneDNN's loop, 2 threads, K = N = 1024 unless
+# noted, ms oneDNN/AMX: E128 64 rows 28.9/26.1; E64 128 rows 22.5/17.9; E32 256 rows 13.0/13.0;
+# E16 512 rows 9.5/12.0; E8 ~1024 rows (K512) 4.4/6.1. The nt kernel (the other two) won at every
+# size measured (64 rows: 28.9 against 20.4 ms).
+AMX_NN_MAX_MEAN_ROWS = 160
 # oneDNN's loop against the AMX grad_weight per expert, K = N = 1024, 2 threads: 21.9 against
 # 19.1 ms at 128 rows each (E64), 14.6 against 19.0 at 256 (E32), 10.8 against 16.8 at 512 (E16).
 AMX_GRAD_WEIGHT_MAX_ROWS = 128

@@ -8,14 +8,15 @@
 // and multiplies with 2 x 2 tiles of 16 x 16 float32 accumulators.
 //   nt: 16 x 16 transposes that read 16 weight rows front to back build a 256-wide panel whose
 //       products stay in tiles over the whole reduction (tile_product).
-//   nn, tn: the 512-wide (nn) or 256-wide (tn) panel is read in chunks of whole row segments,
-//       float32 partial sums kept in L2 between chunks (chunked_product). Reading two rows'
-//       segments per step into a whole-depth panel instead ran 22.4 against 18.1 ms at E256 with
-//       4 rows each (K1024 N512); tn's partial sums over 1024 columns at once (1 MiB) ran 1.4x
-//       slower than in 256-column blocks.
-// Measured against a oneDNN loop (2 threads, experts of 64 rows, K = N = 1024): nt 1.3-1.5x and
-// tn 1.5-2x faster, nn about as fast; the Python side uses nn only for a few rows per expert and
-// tn up to 128.
+//   nn, tn: the 512-wide (nn) or 256-wide (tn) panel is read in chunks of row segments, 32 rows
+//       at a time (32 memory streams in flight: 2 rows at a time ran 1.1-1.2x slower), float32
+//       partial sums kept in L2 between chunks (chunked_product). Reading two rows' segments per
+//       step into a whole-depth panel instead ran 22.4 against 18.1 ms at E256 with 4 rows each
+//       (K1024 N512); tn's partial sums over 1024 columns at once (1 MiB) ran 1.4x slower than in
+//       256-column blocks.
+// Measured against a oneDNN loop (2 threads, experts of 64 rows, K = N = 1024): nt 1.4x, tn
+// 1.5-2x and nn 1.1x faster; past about 128 rows per expert oneDNN catches up, so the Python side
+// hands larger experts to it.
 //
 // Ops (namespace moe_gmm_native); group_ends[E] int64 on the host: expert e owns rows
 // [group_ends[e-1], group_ends[e]). Every operand is bfloat16 with a contiguous last dimension,
@@ -56,7 +57,8 @@ constexpr int kTileDepth = 32;   // bfloat16 values in one 64-byte tile row
 constexpr int kBlock = 32;       // output block: 2 x 2 tiles of 16 x 16
 constexpr int64_t kPanel = 256;  // nt, tn: output columns (nt) or rows (tn) per task; a packed
                                  // panel of K = 1024 is 512 KiB, so it and its rows fit in L2
-constexpr int64_t kPanelNN = 512;  // nn: output columns per task, read in chunks of full rows
+constexpr int64_t kPanelNN = 512;
+constexpr int kStripRows = 32;  // nn: output columns per task, read in chunks of full rows
 
 // Linux hands out AMX's 8 KiB of tile state only to processes that ask (arch_prctl).
 bool amx_granted() {
@@ -206,7 +208,15 @@ void chunked_product(const uint16_t* a, int64_t lda, int64_t rows, const RowOf& 
   for (int64_t k0 = 0; k0 < depth; k0 += chunk) {
     const int64_t kk = std::min(chunk, depth - k0);
     const bool first = k0 == 0, last = k0 + kk == depth;
-    for (int64_t d = 0; d < kk; d += 2) interleave_rows(row_of(k0 + d), row_of(k0 + d + 1), panel.data() + d * cols, cols);
+    // 32 rows at a time, a 64-byte column strip of each in turn: 32 streams in flight instead of 2
+    for (int64_t d0 = 0; d0 < kk; d0 += kStripRows) {
+      const int64_t strip = std::min<int64_t>(kStripRows, kk - d0);
+      const uint16_t* src[kStripRows];
+      for (int64_t d = 0; d < strip; ++d) src[d] = row_of(k0 + d0 + d);
+      for (int64_t j = 0; j < cols; j += 32)
+        for (int64_t d = 0; d < strip; d += 2)
+          interleave_rows(src[d] + j, src[d + 1] + j, panel.data() + (d0 + d) * cols + 2 * j, 32);
+    }
     for (int64_t mb = 0; mb < blocks; ++mb) {
       const bool padded = tail != 0 && mb == blocks - 1;
       const uint16_t* ab = padded ? a_pad.data() : a + mb * kBlock * lda;
