@@ -271,19 +271,19 @@ def test_amx_vs_float64_and_eager(amx, counts, k, n, transposed_weight, seed):
     # for nt and tn, 512 for nn) and depths past one chunk of nn (256 rows).
     _assert_takes_amx(counts, k, n, transposed_weight)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu, "AMX_NN_MAX_MEAN_ROWS", 10**9)  # the nn kernel at every row count
+        patch.setattr(cpu, "AMX_NN_MAX_ROWS", 10**9)  # the nn kernel at every row count
         _check(counts, k, n, torch.bfloat16, transposed_weight=transposed_weight, seed=seed)
 
 
-def test_amx_nn_kernel_only_for_few_rows_per_expert(amx):
-    limit = cpu.AMX_NN_MAX_MEAN_ROWS
-    x, w, _ = gmm_inputs([limit, 0, limit + 2], 32, 64, torch.bfloat16)
-    ends = torch.tensor([limit, limit, 2 * limit + 2])
-    assert cpu._amx_product(x, w, ends, transpose_w=False) is None  # one row per busy expert too many
-    rows = 2 * limit
-    assert cpu._amx_product(x[:rows], w, torch.tensor([limit, limit, rows]), transpose_w=False) is not None
+def test_amx_nn_kernel_hands_large_experts_to_onednn(amx, monkeypatch):
+    monkeypatch.setattr(cpu, "AMX_NN_MAX_ROWS", 8)
+    _assert_takes_amx([3, 20, 0, 9, 8], 64, 32)
+    for transposed_weight in (False, True):  # nn is the forward of EKN, the grad_input of ENK
+        _check([3, 20, 0, 9, 8], 64, 32, torch.bfloat16, transposed_weight=transposed_weight)
+    x, w, _ = gmm_inputs([20, 0, 9], 32, 64, torch.bfloat16)
+    assert cpu._amx_product(x, w, torch.tensor([20, 20, 29]), transpose_w=False) is None  # every expert large
     dy = torch.zeros(x.shape[0], 64, dtype=torch.bfloat16)
-    assert cpu._amx_product(dy, w, ends, transpose_w=True) is not None  # nt: any row count
+    assert cpu._amx_product(dy, w, torch.tensor([20, 20, 29]), transpose_w=True) is not None  # nt: any size
 
 
 def test_amx_grad_weight_hands_large_experts_to_onednn(amx, monkeypatch):
@@ -347,9 +347,9 @@ def test_amx_falls_back_for_unaligned_widths(amx):
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda ops, a, b, e, o: ops.amx_gemm_nn(a[:, :16], b[:, :16], e, o), "multiple of 32"),
-        (lambda ops, a, b, e, o: ops.amx_gemm_nn(a, b, e - 1, o), "group_ends"),
-        (lambda ops, a, b, e, o: ops.amx_gemm_nn(a.float(), b, e, o), "bfloat16"),
+        (lambda ops, a, b, e, o: ops.amx_gemm_nn(a[:, :16], b[:, :16], e, 64, o), "multiple of 32"),
+        (lambda ops, a, b, e, o: ops.amx_gemm_nn(a, b, e - 1, 64, o), "group_ends"),
+        (lambda ops, a, b, e, o: ops.amx_gemm_nn(a.float(), b, e, 64, o), "bfloat16"),
         (lambda ops, a, b, e, o: ops.amx_gemm_nt(a, b, e, o[:, :32]), "shapes do not match"),
     ],
 )

@@ -18,9 +18,9 @@ So each call picks a strategy (group sizes are read on the host: they live on th
   (:mod:`moe_gmm.ops.native`, ``grouped_gemm_amx.cpp``) splits (expert, panel) tasks between the
   threads and multiplies with AMX tiles, reading each expert's weight once. oneDNN reached
   450-700 GFLOP/s on 64-row experts where AMX tiles do 2800+ on one large GEMM. Where the kernels
-  measured slower than oneDNN they step aside: the ``nn`` kernel (forward of an ``[E, K, N]``
-  weight, grad_input of an ``[E, N, K]`` one) past ``AMX_NN_MAX_MEAN_ROWS`` rows per busy expert,
-  grad_weight for experts of more than ``AMX_GRAD_WEIGHT_MAX_ROWS`` rows.
+  measured slower than oneDNN they step aside: experts of more than ``AMX_NN_MAX_ROWS`` rows in
+  the ``nn`` kernel (forward of an ``[E, K, N]`` weight, grad_input of an ``[E, N, K]`` one) and of
+  more than ``AMX_GRAD_WEIGHT_MAX_ROWS`` in grad_weight are one oneDNN GEMM each.
 
 - float32 grad_weight on a CPU with AVX-512: one native call (``grouped_gemm_avx512.cpp``) for
   experts of up to ``AVX512_GRAD_WEIGHT_MAX_ROWS`` rows, MKL for larger ones (MKL ran 160-170
@@ -105,7 +105,7 @@ AMX_ALIGN = 32
 # noted, ms oneDNN/AMX: E128 64 rows 28.9/26.1; E64 128 rows 22.5/17.9; E32 256 rows 13.0/13.0;
 # E16 512 rows 9.5/12.0; E8 ~1024 rows (K512) 4.4/6.1. The nt kernel (the other two) won at every
 # size measured (64 rows: 28.9 against 20.4 ms).
-AMX_NN_MAX_MEAN_ROWS = 160
+AMX_NN_MAX_ROWS = 160
 # oneDNN's loop against the AMX grad_weight per expert, K = N = 1024, 2 threads: 21.9 against
 # 19.1 ms at 128 rows each (E64), 14.6 against 19.0 at 256 (E32), 10.8 against 16.8 at 512 (E16).
 AMX_GRAD_WEIGHT_MAX_ROWS = 128
@@ -336,13 +336,18 @@ def _amx_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Te
     # EKN forward and ENK grad_input multiply by rows of the weight as stored (nn); the other two
     # by the weight's transpose (nt). Either way the stored weight is read, never copied.
     nn = (layout == "EKN") != transpose_w
-    if nn:
-        busy = int((group_ends_E.diff(prepend=group_ends_E.new_zeros(1)) > 0).sum())
-        if a_MR.shape[0] > AMX_NN_MAX_MEAN_ROWS * max(busy, 1):
-            return None
+    bounds = host_bounds(group_ends_E) if nn else []
+    if nn and not any(0 < end - start <= AMX_NN_MAX_ROWS for start, end in itertools.pairwise(bounds)):
+        return None  # no expert small enough for the nn kernel: the plan's path
     out = host_cache.empty((a_MR.shape[0], k if transpose_w else n), dtype=a_MR.dtype)
     b = w_EKN if layout == "EKN" else w_EKN.transpose(1, 2)
-    (ops.amx_gemm_nn if nn else ops.amx_gemm_nt)(_unit_rows(a_MR), b, _ends(group_ends_E), out)
+    if not nn:
+        ops.amx_gemm_nt(_unit_rows(a_MR), b, _ends(group_ends_E), out)
+        return out
+    ops.amx_gemm_nn(_unit_rows(a_MR), b, _ends(group_ends_E), AMX_NN_MAX_ROWS, out)
+    for e, (start, end) in enumerate(itertools.pairwise(bounds)):  # the larger experts, by oneDNN
+        if end - start > AMX_NN_MAX_ROWS:
+            torch.mm(a_MR[start:end], w_EKN[e].T if transpose_w else w_EKN[e], out=out[start:end])
     return out
 
 

@@ -23,12 +23,13 @@
 // every reduced or output width a multiple of 32 (the Python side checks and otherwise takes
 // another path). Outputs are caller-provided and every element is written.
 //   amx_gemm_supported()                                       AMX built in and granted by the OS
-//   amx_gemm_nn(a[M,R], b[E,R,J], group_ends, out[M,J])        out[rows_e] = a[rows_e] @ b[e]
+//   amx_gemm_nn(a[M,R], b[E,R,J], group_ends, max_rows, out[M,J])
+//                                                              out[rows_e] = a[rows_e] @ b[e]
 //   amx_gemm_nt(a[M,R], b[E,J,R], group_ends, out[M,J])        out[rows_e] = a[rows_e] @ b[e]^T
 //   amx_gemm_tn(a[M,R], b[M,J], group_ends, max_rows, out[E,R,J])
 //                                                              out[e] = a[rows_e]^T @ b[rows_e]
-// (an empty expert's tn output is zero; experts of more than max_rows rows are left untouched for
-// the caller). Accumulation is float32 in a fixed order and each output element is computed by one
+// (an empty expert's tn output is zero; in nn and tn, experts of more than max_rows rows are left
+// untouched for the caller). Accumulation is float32 in a fixed order and each output element is computed by one
 // task, so results do not depend on the thread count; each sum is rounded to bfloat16 once (to
 // nearest even).
 
@@ -346,7 +347,8 @@ const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16
 uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr<at::BFloat16>()); }
 #endif
 
-void amx_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, at::Tensor& out) {
+void amx_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
+                 at::Tensor& out) {
   require_amx();
   check_operand(a, "a", 2), check_operand(b, "b", 3), check_operand(out, "out", 2);
   const int64_t depth = b.size(1), width = b.size(2);
@@ -360,7 +362,7 @@ void amx_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
   std::vector<Task> tasks;
   std::vector<double> cost;
-  panel_tasks(starts, width, false, INT64_MAX, tasks, cost, kPanelNN);
+  panel_tasks(starts, width, false, max_rows, tasks, cost, kPanelNN);
   run_tasks(tasks, cost, [&](const Task& task) {
     const int64_t m0 = starts[task.expert];
     const uint16_t* w = bp + task.expert * lde + task.begin;
@@ -463,7 +465,7 @@ void amx_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
 
 TORCH_LIBRARY_FRAGMENT(moe_gmm_native, m) {
   m.def("amx_gemm_supported() -> bool", amx_gemm_supported);
-  m.def("amx_gemm_nn(Tensor a, Tensor b, Tensor group_ends, Tensor(a!) out) -> ()");
+  m.def("amx_gemm_nn(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
   m.def("amx_gemm_nt(Tensor a, Tensor b, Tensor group_ends, Tensor(a!) out) -> ()");
   m.def("amx_gemm_tn(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
 }
