@@ -46,6 +46,7 @@ __all__ = [
     "unavailable_reason",
 ]
 
+HEADERS = (Path(__file__).with_name("grouped_gemm_common.h"),)
 SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("kernels.cpp", "grouped_gemm_amx.cpp", "grouped_gemm_avx512.cpp")
 )
@@ -119,7 +120,7 @@ def library_path(cxx: str | None = None) -> Path:
     """Where the library for this source, torch, compiler ``cxx`` and CPU lives (built or not)."""
     cxx = cxx or compiler() or "none"
     key = hashlib.sha256()
-    sources = [source.read_bytes() for source in SOURCES]
+    sources = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
     for part in (*sources, torch.__version__.encode(), cxx.encode(), _cpu_signature().encode()):
         key.update(part)
         key.update(b"\0")

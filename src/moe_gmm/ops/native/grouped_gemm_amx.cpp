@@ -42,6 +42,8 @@
 #include <cstring>
 #include <vector>
 
+#include "grouped_gemm_common.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define MOE_GMM_AMX 1
 #include <immintrin.h>
@@ -50,6 +52,10 @@
 #endif
 
 namespace {
+
+using moe_gmm_gemm::cut_by_cost;
+using moe_gmm_gemm::starts_of;
+using moe_gmm_gemm::Task;
 
 #ifdef MOE_GMM_AMX
 
@@ -264,10 +270,6 @@ void chunked_product(const uint16_t* a, int64_t lda, int64_t rows, const RowOf& 
   }
 }
 
-struct Task {
-  int64_t expert, begin, end;  // the expert, and the output columns (nn, nt) or rows (tn) it owns
-};
-
 // One task per (expert, panel) for experts of at most max_rows rows; an empty expert has none
 // unless its output must be zeroed (tn).
 // Cost: the expert's rows rounded up to a block, plus a constant for reading the weight panel.
@@ -289,16 +291,7 @@ template <typename Run>
 void run_tasks(const std::vector<Task>& tasks, const std::vector<double>& cost, const Run& run) {
   if (tasks.empty()) return;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
-  std::vector<int64_t> cut(threads + 1, static_cast<int64_t>(tasks.size()));
-  cut[0] = 0;
-  double total = 0;
-  for (double c : cost) total += c;
-  double seen = 0;
-  int64_t next = 1;
-  for (size_t i = 0; i < tasks.size() && next < threads; ++i) {
-    seen += cost[i];
-    while (next < threads && seen >= total * double(next) / double(threads)) cut[next++] = static_cast<int64_t>(i) + 1;
-  }
+  const std::vector<int64_t> cut = cut_by_cost(cost, threads);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     TileScope tiles;
     for (int64_t t = begin; t < end; ++t)
@@ -309,19 +302,6 @@ void run_tasks(const std::vector<Task>& tasks, const std::vector<double>& cost, 
 
 #endif  // MOE_GMM_AMX
 
-std::vector<int64_t> starts_of(const at::Tensor& group_ends, int64_t rows) {
-  TORCH_CHECK(group_ends.device().is_cpu() && group_ends.scalar_type() == at::kLong && group_ends.dim() == 1 &&
-                  group_ends.is_contiguous(),
-              "group_ends: expected a contiguous 1-d int64 CPU tensor");
-  const int64_t* ends = group_ends.data_ptr<int64_t>();
-  std::vector<int64_t> starts(group_ends.numel() + 1, 0);
-  for (int64_t e = 0; e < group_ends.numel(); ++e) {
-    TORCH_CHECK(ends[e] >= starts[e] && ends[e] <= rows, "group_ends: must be non-decreasing and at most ", rows);
-    starts[e + 1] = ends[e];
-  }
-  TORCH_CHECK(starts.back() == rows, "group_ends: the last end must equal the number of rows ", rows);
-  return starts;
-}
 
 void check_operand(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == dim && t.stride(dim - 1) == 1,
@@ -342,6 +322,17 @@ bool amx_gemm_supported() {
 
 void require_amx() { TORCH_CHECK(amx_gemm_supported(), "AMX bfloat16 is not available on this CPU or build"); }
 
+// nn and nt: a[M, depth] times expert weights b[E, ...] into out[M, width]; returns the group starts.
+std::vector<int64_t> check_product(const char* op, const at::Tensor& a, const at::Tensor& b,
+                                   const at::Tensor& group_ends, const at::Tensor& out, int64_t depth, int64_t width) {
+  require_amx();
+  check_operand(a, "a", 2), check_operand(b, "b", 3), check_operand(out, "out", 2);
+  TORCH_CHECK(a.size(1) == depth && out.size(0) == a.size(0) && out.size(1) == width && b.size(0) == group_ends.numel(),
+              op, ": shapes do not match");
+  check_multiple(depth, "the reduced width"), check_multiple(width, "the output width");
+  return starts_of(group_ends, a.size(0));
+}
+
 #ifdef MOE_GMM_AMX
 const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::BFloat16>()); }
 uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr<at::BFloat16>()); }
@@ -349,13 +340,8 @@ uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_dat
 
 void amx_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
                  at::Tensor& out) {
-  require_amx();
-  check_operand(a, "a", 2), check_operand(b, "b", 3), check_operand(out, "out", 2);
   const int64_t depth = b.size(1), width = b.size(2);
-  TORCH_CHECK(a.size(1) == depth && out.size(0) == a.size(0) && out.size(1) == width && b.size(0) == group_ends.numel(),
-              "amx_gemm_nn: shapes do not match");
-  check_multiple(depth, "the reduced width"), check_multiple(width, "the output width");
-  const auto starts = starts_of(group_ends, a.size(0));
+  const auto starts = check_product("amx_gemm_nn", a, b, group_ends, out, depth, width);
 #ifdef MOE_GMM_AMX
   const uint16_t *ap = bits(a), *bp = bits(b);
   uint16_t* op = bits(out);
@@ -373,14 +359,9 @@ void amx_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
 }
 
 void amx_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, at::Tensor& out) {
-  require_amx();
-  check_operand(a, "a", 2), check_operand(b, "b", 3), check_operand(out, "out", 2);
   const int64_t depth = b.size(2), width = b.size(1);
-  TORCH_CHECK(a.size(1) == depth && out.size(0) == a.size(0) && out.size(1) == width && b.size(0) == group_ends.numel(),
-              "amx_gemm_nt: shapes do not match");
-  check_multiple(depth, "the reduced width"), check_multiple(width, "the output width");
+  const auto starts = check_product("amx_gemm_nt", a, b, group_ends, out, depth, width);
   TORCH_CHECK(b.stride(1) % 2 == 0, "amx_gemm_nt: b's row stride must be even");
-  const auto starts = starts_of(group_ends, a.size(0));
 #ifdef MOE_GMM_AMX
   const uint16_t *ap = bits(a), *bp = bits(b);
   uint16_t* op = bits(out);

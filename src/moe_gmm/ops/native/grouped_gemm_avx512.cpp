@@ -28,6 +28,8 @@
 #include <utility>
 #include <vector>
 
+#include "grouped_gemm_common.h"
+
 #if defined(__AVX512F__)
 #define MOE_GMM_AVX512 1
 #include <immintrin.h>
@@ -96,10 +98,6 @@ constexpr auto block_table(std::integer_sequence<int, I...>) {
 constexpr auto kBlocks = block_table<false>(std::make_integer_sequence<int, kRows>{});
 constexpr auto kStreamingBlocks = block_table<true>(std::make_integer_sequence<int, kRows>{});
 
-struct Task {
-  int64_t expert, begin, end;  // the expert and the output rows [begin, end) it owns
-};
-
 #endif  // MOE_GMM_AVX512
 
 bool avx512_gemm_supported() {
@@ -123,24 +121,14 @@ void avx512_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
   TORCH_CHECK(b.size(0) == a.size(0) && out.size(0) == group_ends.numel() && out.size(1) == height &&
                   out.size(2) == width,
               "avx512_gemm_tn: shapes do not match");
-  TORCH_CHECK(group_ends.device().is_cpu() && group_ends.scalar_type() == at::kLong && group_ends.dim() == 1 &&
-                  group_ends.is_contiguous(),
-              "group_ends: expected a contiguous 1-d int64 CPU tensor");
-  const int64_t* ends = group_ends.data_ptr<int64_t>();
-  std::vector<int64_t> starts(group_ends.numel() + 1, 0);
-  for (int64_t e = 0; e < group_ends.numel(); ++e) {
-    TORCH_CHECK(ends[e] >= starts[e] && ends[e] <= a.size(0), "group_ends: must be non-decreasing and at most ",
-                a.size(0));
-    starts[e + 1] = ends[e];
-  }
-  TORCH_CHECK(starts.back() == a.size(0), "group_ends: the last end must equal the number of rows ", a.size(0));
+  const std::vector<int64_t> starts = moe_gmm_gemm::starts_of(group_ends, a.size(0));
 #ifdef MOE_GMM_AVX512
   const float* ap = a.const_data_ptr<float>();
   const float* bp = b.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   const int64_t lda = a.stride(0), ldb = b.stride(0), lde = out.stride(0), ldo = out.stride(1);
   const bool aligned = reinterpret_cast<uintptr_t>(op) % 64 == 0 && ldo % kLanes == 0 && lde % kLanes == 0;
-  std::vector<Task> tasks;
+  std::vector<moe_gmm_gemm::Task> tasks;
   std::vector<double> cost;
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(starts.size()); ++e) {
     const int64_t rows = starts[e + 1] - starts[e];
@@ -153,18 +141,11 @@ void avx512_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
   }
   if (tasks.empty()) return;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
-  std::vector<int64_t> cut(threads + 1, static_cast<int64_t>(tasks.size()));
-  cut[0] = 0;
-  double total = 0, seen = 0;
-  for (double c : cost) total += c;
-  for (size_t i = 0, next = 1; i < tasks.size() && int64_t(next) < threads; ++i) {
-    seen += cost[i];
-    while (int64_t(next) < threads && seen >= total * double(next) / double(threads)) cut[next++] = int64_t(i) + 1;
-  }
+  const std::vector<int64_t> cut = moe_gmm_gemm::cut_by_cost(cost, threads);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t i = cut[t]; i < cut[t + 1]; ++i) {
-        const Task& task = tasks[i];
+        const moe_gmm_gemm::Task& task = tasks[i];
         const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
         float* o = op + task.expert * lde;
         if (rows == 0) {

@@ -1,0 +1,48 @@
+// Shared by the grouped GEMM kernels (grouped_gemm_amx.cpp, grouped_gemm_avx512.cpp): the group
+// bounds, the (expert, range) tasks and their split between threads.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace moe_gmm_gemm {
+
+struct Task {
+  int64_t expert, begin, end;  // the expert, and the output columns or rows [begin, end) it owns
+};
+
+// [0, end_0, ..., end_{E-1}] from group_ends[E], checked against the `rows` rows of the input.
+inline std::vector<int64_t> starts_of(const at::Tensor& group_ends, int64_t rows) {
+  TORCH_CHECK(group_ends.device().is_cpu() && group_ends.scalar_type() == at::kLong && group_ends.dim() == 1 &&
+                  group_ends.is_contiguous(),
+              "group_ends: expected a contiguous 1-d int64 CPU tensor");
+  const int64_t* ends = group_ends.data_ptr<int64_t>();
+  std::vector<int64_t> starts(group_ends.numel() + 1, 0);
+  for (int64_t e = 0; e < group_ends.numel(); ++e) {
+    TORCH_CHECK(ends[e] >= starts[e] && ends[e] <= rows, "group_ends: must be non-decreasing and at most ", rows);
+    starts[e + 1] = ends[e];
+  }
+  TORCH_CHECK(starts.back() == rows, "group_ends: the last end must equal the number of rows ", rows);
+  return starts;
+}
+
+// Cuts consecutive tasks into `threads` ranges of about equal cost: thread t runs tasks
+// [cut[t], cut[t + 1]). Consecutive, so one expert's tasks mostly stay on one thread.
+inline std::vector<int64_t> cut_by_cost(const std::vector<double>& cost, int64_t threads) {
+  const auto count = static_cast<int64_t>(cost.size());
+  std::vector<int64_t> cut(threads + 1, count);
+  cut[0] = 0;
+  double total = 0, seen = 0;
+  for (double c : cost) total += c;
+  int64_t next = 1;
+  for (int64_t i = 0; i < count && next < threads; ++i) {
+    seen += cost[i];
+    while (next < threads && seen >= total * double(next) / double(threads)) cut[next++] = i + 1;
+  }
+  return cut;
+}
+
+}  // namespace moe_gmm_gemm
