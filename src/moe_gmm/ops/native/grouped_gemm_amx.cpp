@@ -153,6 +153,42 @@ inline void store_bf16(const float* src, uint16_t* dst) {
   }
 }
 
+// Tiles 0-3 (a 32 x 32 float32 block as 2 x 2 tiles) += a[32 rows][depth] @ b, where b is the
+// VNNI panel starting at this block's columns, vnni_row bfloat16 values per row of pairs.
+inline void multiply_block(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t vnni_row, int64_t depth) {
+  for (int64_t d = 0; d < depth; d += kTileDepth) {
+    _tile_loadd(4, a + d, lda * 2);
+    _tile_loadd(5, a + kTileRows * lda + d, lda * 2);
+    const uint16_t* bd = b + (d / 2) * vnni_row;
+    _tile_loadd(6, bd, vnni_row * 2);
+    _tile_loadd(7, bd + kTileRows * 2, vnni_row * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// Tiles 0-3 to and from a float32 block whose rows are ld floats apart.
+inline void store_block(float* c, int64_t ld) {
+  _tile_stored(0, c, ld * 4);
+  _tile_stored(1, c + 16, ld * 4);
+  _tile_stored(2, c + 16 * ld, ld * 4);
+  _tile_stored(3, c + 16 * ld + 16, ld * 4);
+}
+inline void load_block(const float* c, int64_t ld) {
+  _tile_loadd(0, c, ld * 4);
+  _tile_loadd(1, c + 16, ld * 4);
+  _tile_loadd(2, c + 16 * ld, ld * 4);
+  _tile_loadd(3, c + 16 * ld + 16, ld * 4);
+}
+inline void zero_block() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
 // out[m, j] = sum_d a[m, d] * b[d, j] for m < rows, j < width, with b given as the VNNI panel
 // bv[depth/2][width][2]. a: rows of `depth` values, stride lda. A last block of fewer than 32
 // rows is copied into a zero-padded scratch first, so no tile reads past a's rows.
@@ -171,25 +207,9 @@ void tile_product(const uint16_t* a, int64_t lda, int64_t rows, const uint16_t* 
       ld = depth;
     }
     for (int64_t nb = 0; nb < width; nb += kBlock) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t d = 0; d < depth; d += kTileDepth) {
-        _tile_loadd(4, ab + d, ld * 2);
-        _tile_loadd(5, ab + kTileRows * ld + d, ld * 2);
-        const uint16_t* b = bv + (d / 2) * width * 2 + nb * 2;
-        _tile_loadd(6, b, width * 4);
-        _tile_loadd(7, b + kTileRows * 2, width * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, c, kBlock * 4);
-      _tile_stored(1, c + 16, kBlock * 4);
-      _tile_stored(2, c + 16 * kBlock, kBlock * 4);
-      _tile_stored(3, c + 16 * kBlock + 16, kBlock * 4);
+      zero_block();
+      multiply_block(ab, ld, bv + nb * 2, width * 2, depth);
+      store_block(c, kBlock);
       for (int64_t i = 0; i < real; ++i) store_bf16<Streaming>(c + i * kBlock, out + (mb + i) * ldo + nb);
     }
   }
@@ -231,38 +251,16 @@ void chunked_product(const uint16_t* a, int64_t lda, int64_t rows, const RowOf& 
       float* part = acc.data() + mb * kBlock * cols;
       for (int64_t nb = 0; nb < cols; nb += kBlock) {
         if (first) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
+          zero_block();
         } else {
-          _tile_loadd(0, part + nb, cols * 4);
-          _tile_loadd(1, part + nb + 16, cols * 4);
-          _tile_loadd(2, part + 16 * cols + nb, cols * 4);
-          _tile_loadd(3, part + 16 * cols + nb + 16, cols * 4);
+          load_block(part + nb, cols);
         }
-        for (int64_t d = 0; d < kk; d += kTileDepth) {
-          _tile_loadd(4, ab + k0 + d, ld * 2);
-          _tile_loadd(5, ab + kTileRows * ld + k0 + d, ld * 2);
-          const uint16_t* bb = panel.data() + (d / 2) * cols * 2 + nb * 2;
-          _tile_loadd(6, bb, cols * 4);
-          _tile_loadd(7, bb + kTileRows * 2, cols * 4);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        multiply_block(ab + k0, ld, panel.data() + nb * 2, cols * 2, kk);
         if (!last) {
-          _tile_stored(0, part + nb, cols * 4);
-          _tile_stored(1, part + nb + 16, cols * 4);
-          _tile_stored(2, part + 16 * cols + nb, cols * 4);
-          _tile_stored(3, part + 16 * cols + nb + 16, cols * 4);
+          store_block(part + nb, cols);
           continue;
         }
-        _tile_stored(0, c, kBlock * 4);
-        _tile_stored(1, c + 16, kBlock * 4);
-        _tile_stored(2, c + 16 * kBlock, kBlock * 4);
-        _tile_stored(3, c + 16 * kBlock + 16, kBlock * 4);
+        store_block(c, kBlock);
         const int64_t real = std::min<int64_t>(kBlock, rows - mb * kBlock);
         for (int64_t i = 0; i < real; ++i) store_bf16<Streaming>(c + i * kBlock, out + (mb * kBlock + i) * ldo + nb);
       }
