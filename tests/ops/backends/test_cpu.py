@@ -419,3 +419,32 @@ def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512):
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=9),
+    k=st.integers(1, 70),
+    n=st.integers(1, 600),
+    max_rows=st.sampled_from([1, 16, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_avx512_few_rows_forward_vs_float64_and_eager(avx512, counts, k, n, max_rows, seed):
+    # Depths not a multiple of 4 (the kernel's row step), widths past one 512-column task and
+    # masked tails; experts above max_rows by MKL.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu, "AVX512_FORWARD_MAX_ROWS", max_rows)
+        _check(counts, k, n, torch.float32, seed=seed)
+
+
+def test_avx512_few_rows_forward_writes_every_row_under_poison(avx512, poisoned_memory):
+    counts = [0, 7, 0, 3, 33, 0, 16]
+    x, w, _ = gmm_inputs(counts, 50, 96)
+    ends = torch.tensor(counts).cumsum(0)
+    assert cpu._few_rows_forward(x, w, ends) is not None
+    for _ in range(2):
+        assert_rel_close(
+            get_backend("cpu").forward(x, w, ends), reference_grouped_matmul(x, w, counts), 1e-5, "forward"
+        )
+    transposed = w.transpose(1, 2).contiguous().transpose(1, 2)
+    assert cpu._few_rows_forward(x, transposed, ends) is None  # [E, N, K] storage: MKL's loop

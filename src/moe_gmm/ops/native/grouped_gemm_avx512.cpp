@@ -1,5 +1,5 @@
-// float32 weight gradient of the grouped matmul on AVX-512: out[e] = a[rows_e]^T @ b[rows_e] for
-// every expert in one parallel region.
+// float32 grouped matmul kernels on AVX-512, every expert in one parallel region: the weight
+// gradient out[e] = a[rows_e]^T @ b[rows_e], and the forward of experts of few rows.
 //
 // Why: MKL runs this product at 160-170 GFLOP/s for experts of 64 rows (2 threads, K = N = 1024)
 // against 440 on one large GEMM, and a loop forks and joins its threads once per expert. Here the
@@ -8,12 +8,15 @@
 // b's 64 loaded), then stored once: with few rows the output is the largest stream of the call,
 // so it is written with streaming stores where aligned (no read of the lines first).
 //
-// Op (namespace moe_gmm_native), group_ends[E] int64 on the host (expert e owns rows
+// Ops (namespace moe_gmm_native), group_ends[E] int64 on the host (expert e owns rows
 // [group_ends[e-1], group_ends[e])), every operand float32 with a contiguous last dimension:
 //   avx512_gemm_supported()                                   built with AVX-512F
 //   avx512_gemm_tn(a[M,R], b[M,J], group_ends, max_rows, out[E,R,J])
 //       out[e] = a[rows_e]^T @ b[rows_e]; zero for an empty expert; experts of more than max_rows
 //       rows are left untouched for the caller (past about 128 rows MKL is faster).
+//   avx512_gemm_nn_few_rows(a[M,R], b[E,R,J], group_ends, max_rows, out[M,J])
+//       out[rows_e] = a[rows_e] @ b[e] for experts of 1..max_rows rows, others untouched (see the
+//       function: it streams the weight once; past 16-32 rows MKL is faster).
 // Each output element is one float32 sum over the expert's rows in order, computed by one task, so
 // results do not depend on the thread count.
 
@@ -169,11 +172,85 @@ void avx512_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
 #endif
 }
 
+
+// out[rows_e, :] = a[rows_e] @ b[e] for experts of 1..max_rows rows (others untouched), b[E, R, J]
+// with J contiguous. For the few rows per expert of many-expert layers the product is bound by
+// reading b once: each task streams 4 rows of its expert's weight at a time, front to back (the
+// hardware prefetcher follows them), and accumulates into its output rows, which stay in L1.
+void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
+                             at::Tensor& out) {
+  TORCH_CHECK(avx512_gemm_supported(), "avx512_gemm_nn_few_rows: this build has no AVX-512");
+  check_operand(a, "a", 2), check_operand(b, "b", 3), check_operand(out, "out", 2);
+  const int64_t depth = b.size(1), width = b.size(2);
+  TORCH_CHECK(a.size(1) == depth && out.size(0) == a.size(0) && out.size(1) == width && b.size(0) == group_ends.numel(),
+              "avx512_gemm_nn_few_rows: shapes do not match");
+  const std::vector<int64_t> starts = moe_gmm_gemm::starts_of(group_ends, a.size(0));
+#ifdef MOE_GMM_AVX512
+  constexpr int64_t kStreamColumns = 512, kStreamRows = 4;
+  const float* ap = a.const_data_ptr<float>();
+  const float* bp = b.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
+  std::vector<moe_gmm_gemm::Task> tasks;
+  std::vector<double> cost;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(starts.size()); ++e) {
+    const int64_t rows = starts[e + 1] - starts[e];
+    if (rows == 0 || rows > max_rows) continue;
+    for (int64_t j = 0; j < width; j += kStreamColumns) {
+      const int64_t end = std::min(width, j + kStreamColumns);
+      tasks.push_back({e, j, end});
+      cost.push_back(double(rows + 8) * double(end - j));
+    }
+  }
+  if (tasks.empty()) return;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  const std::vector<int64_t> cut = moe_gmm_gemm::cut_by_cost(cost, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t i = cut[t]; i < cut[t + 1]; ++i) {
+        const moe_gmm_gemm::Task& task = tasks[i];
+        const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0, cols = task.end - task.begin;
+        const float* w = bp + task.expert * lde + task.begin;
+        float* o = op + m0 * ldo + task.begin;
+        for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
+        for (int64_t k = 0; k < depth; k += kStreamRows) {
+          const int64_t kb = std::min(kStreamRows, depth - k);
+          const float* w0 = w + k * ldb;
+          const float* w1 = kb > 1 ? w0 + ldb : w0;
+          const float* w2 = kb > 2 ? w0 + 2 * ldb : w0;
+          const float* w3 = kb > 3 ? w0 + 3 * ldb : w0;
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* x = ap + (m0 + r) * lda + k;
+            const __m512 x0 = _mm512_set1_ps(x[0]);
+            const __m512 x1 = _mm512_set1_ps(kb > 1 ? x[1] : 0.f);
+            const __m512 x2 = _mm512_set1_ps(kb > 2 ? x[2] : 0.f);
+            const __m512 x3 = _mm512_set1_ps(kb > 3 ? x[3] : 0.f);
+            float* orow = o + r * ldo;
+            for (int64_t j = 0; j < cols; j += kLanes) {
+              const __mmask16 m = tail_mask(cols - j);
+              __m512 acc = _mm512_maskz_loadu_ps(m, orow + j);
+              acc = _mm512_fmadd_ps(x0, _mm512_maskz_loadu_ps(m, w0 + j), acc);
+              acc = _mm512_fmadd_ps(x1, _mm512_maskz_loadu_ps(m, w1 + j), acc);
+              acc = _mm512_fmadd_ps(x2, _mm512_maskz_loadu_ps(m, w2 + j), acc);
+              acc = _mm512_fmadd_ps(x3, _mm512_maskz_loadu_ps(m, w3 + j), acc);
+              _mm512_mask_storeu_ps(orow + j, m, acc);
+            }
+          }
+        }
+      }
+  });
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(moe_gmm_native, m) {
   m.def("avx512_gemm_supported() -> bool", avx512_gemm_supported);
   m.def("avx512_gemm_tn(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
+  m.def("avx512_gemm_nn_few_rows(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(moe_gmm_native, CPU, m) { m.impl("avx512_gemm_tn", avx512_gemm_tn); }
+TORCH_LIBRARY_IMPL(moe_gmm_native, CPU, m) {
+  m.impl("avx512_gemm_tn", avx512_gemm_tn);
+  m.impl("avx512_gemm_nn_few_rows", avx512_gemm_nn_few_rows);
+}
