@@ -53,7 +53,6 @@
 
 namespace {
 
-using moe_gmm_gemm::cut_by_cost;
 using moe_gmm_gemm::starts_of;
 using moe_gmm_gemm::Task;
 
@@ -92,7 +91,10 @@ struct TileScope {
     for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = kTileRows;
     _tile_loadconfig(&cfg);
   }
-  ~TileScope() { _tile_release(); }
+  ~TileScope() {
+    _mm_sfence();  // streaming stores are visible before the thread's share of the work ends
+    _tile_release();
+  }
   TileScope(const TileScope&) = delete;
   TileScope& operator=(const TileScope&) = delete;
 };
@@ -284,18 +286,10 @@ void panel_tasks(const std::vector<int64_t>& starts, int64_t width, bool keep_em
   }
 }
 
-// Consecutive tasks, cut into one range of about equal cost per thread.
+// moe_gmm_gemm::run_tasks with the AMX tiles configured on each thread.
 template <typename Run>
 void run_tasks(const std::vector<Task>& tasks, const std::vector<double>& cost, const Run& run) {
-  if (tasks.empty()) return;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
-  const std::vector<int64_t> cut = cut_by_cost(cost, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    TileScope tiles;
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t i = cut[t]; i < cut[t + 1]; ++i) run(tasks[i]);
-    _mm_sfence();  // streaming stores are visible before the parallel region ends
-  });
+  moe_gmm_gemm::run_tasks<TileScope>(tasks, cost, run);
 }
 
 #endif  // MOE_GMM_AMX

@@ -101,6 +101,16 @@ constexpr auto block_table(std::integer_sequence<int, I...>) {
 constexpr auto kBlocks = block_table<false>(std::make_integer_sequence<int, kRows>{});
 constexpr auto kStreamingBlocks = block_table<true>(std::make_integer_sequence<int, kRows>{});
 
+// Streaming stores are made visible before a thread's share of the work ends.
+struct StreamingStores {
+  StreamingStores() = default;
+  StreamingStores(const StreamingStores&) = delete;
+  StreamingStores& operator=(const StreamingStores&) = delete;
+  ~StreamingStores() { _mm_sfence(); }
+};
+
+using moe_gmm_gemm::run_tasks;
+
 #endif  // MOE_GMM_AVX512
 
 bool avx512_gemm_supported() {
@@ -142,32 +152,24 @@ void avx512_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
       cost.push_back(double(rows + 8) * double(end - r));  // + writing the panel
     }
   }
-  if (tasks.empty()) return;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
-  const std::vector<int64_t> cut = moe_gmm_gemm::cut_by_cost(cost, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t i = cut[t]; i < cut[t + 1]; ++i) {
-        const moe_gmm_gemm::Task& task = tasks[i];
-        const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
-        float* o = op + task.expert * lde;
-        if (rows == 0) {
-          for (int64_t r = task.begin; r < task.end; ++r) std::memset(o + r * ldo, 0, width * sizeof(float));
-          continue;
-        }
-        for (int64_t r = task.begin; r < task.end; r += kRows) {
-          const int mr = static_cast<int>(std::min<int64_t>(kRows, task.end - r));
-          for (int64_t j = 0; j < width; j += kColumns) {
-            const int64_t cols = std::min<int64_t>(kColumns, width - j);
-            const int vectors = static_cast<int>((cols + kLanes - 1) / kLanes);
-            const __mmask16 tail = tail_mask(cols - int64_t(vectors - 1) * kLanes);
-            const auto& table = aligned ? kStreamingBlocks : kBlocks;
-            table[mr - 1][vectors - 1](ap + m0 * lda + r, lda, bp + m0 * ldb + j, ldb, o + r * ldo + j, ldo, rows,
-                                       tail);
-          }
-        }
+  run_tasks<StreamingStores>(tasks, cost, [&](const moe_gmm_gemm::Task& task) {
+    const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
+    float* o = op + task.expert * lde;
+    if (rows == 0) {
+      for (int64_t r = task.begin; r < task.end; ++r) std::memset(o + r * ldo, 0, width * sizeof(float));
+      return;
+    }
+    for (int64_t r = task.begin; r < task.end; r += kRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kRows, task.end - r));
+      for (int64_t j = 0; j < width; j += kColumns) {
+        const int64_t cols = std::min<int64_t>(kColumns, width - j);
+        const int vectors = static_cast<int>((cols + kLanes - 1) / kLanes);
+        const __mmask16 tail = tail_mask(cols - int64_t(vectors - 1) * kLanes);
+        const auto& table = aligned ? kStreamingBlocks : kBlocks;
+        table[mr - 1][vectors - 1](ap + m0 * lda + r, lda, bp + m0 * ldb + j, ldb, o + r * ldo + j, ldo, rows,
+                                   tail);
       }
-    _mm_sfence();  // streaming stores are visible before the parallel region ends
+    }
   });
 #endif
 }
@@ -202,42 +204,35 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
       cost.push_back(double(rows + 8) * double(end - j));
     }
   }
-  if (tasks.empty()) return;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
-  const std::vector<int64_t> cut = moe_gmm_gemm::cut_by_cost(cost, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t i = cut[t]; i < cut[t + 1]; ++i) {
-        const moe_gmm_gemm::Task& task = tasks[i];
-        const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0, cols = task.end - task.begin;
-        const float* w = bp + task.expert * lde + task.begin;
-        float* o = op + m0 * ldo + task.begin;
-        for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
-        for (int64_t k = 0; k < depth; k += kStreamRows) {
-          const int64_t kb = std::min(kStreamRows, depth - k);
-          const float* w0 = w + k * ldb;
-          const float* w1 = kb > 1 ? w0 + ldb : w0;
-          const float* w2 = kb > 2 ? w0 + 2 * ldb : w0;
-          const float* w3 = kb > 3 ? w0 + 3 * ldb : w0;
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* x = ap + (m0 + r) * lda + k;
-            const __m512 x0 = _mm512_set1_ps(x[0]);
-            const __m512 x1 = _mm512_set1_ps(kb > 1 ? x[1] : 0.f);
-            const __m512 x2 = _mm512_set1_ps(kb > 2 ? x[2] : 0.f);
-            const __m512 x3 = _mm512_set1_ps(kb > 3 ? x[3] : 0.f);
-            float* orow = o + r * ldo;
-            for (int64_t j = 0; j < cols; j += kLanes) {
-              const __mmask16 m = tail_mask(cols - j);
-              __m512 acc = _mm512_maskz_loadu_ps(m, orow + j);
-              acc = _mm512_fmadd_ps(x0, _mm512_maskz_loadu_ps(m, w0 + j), acc);
-              acc = _mm512_fmadd_ps(x1, _mm512_maskz_loadu_ps(m, w1 + j), acc);
-              acc = _mm512_fmadd_ps(x2, _mm512_maskz_loadu_ps(m, w2 + j), acc);
-              acc = _mm512_fmadd_ps(x3, _mm512_maskz_loadu_ps(m, w3 + j), acc);
-              _mm512_mask_storeu_ps(orow + j, m, acc);
-            }
-          }
+  run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const moe_gmm_gemm::Task& task) {
+    const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0, cols = task.end - task.begin;
+    const float* w = bp + task.expert * lde + task.begin;
+    float* o = op + m0 * ldo + task.begin;
+    for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
+    for (int64_t k = 0; k < depth; k += kStreamRows) {
+      const int64_t kb = std::min(kStreamRows, depth - k);
+      const float* w0 = w + k * ldb;
+      const float* w1 = kb > 1 ? w0 + ldb : w0;
+      const float* w2 = kb > 2 ? w0 + 2 * ldb : w0;
+      const float* w3 = kb > 3 ? w0 + 3 * ldb : w0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* x = ap + (m0 + r) * lda + k;
+        const __m512 x0 = _mm512_set1_ps(x[0]);
+        const __m512 x1 = _mm512_set1_ps(kb > 1 ? x[1] : 0.f);
+        const __m512 x2 = _mm512_set1_ps(kb > 2 ? x[2] : 0.f);
+        const __m512 x3 = _mm512_set1_ps(kb > 3 ? x[3] : 0.f);
+        float* orow = o + r * ldo;
+        for (int64_t j = 0; j < cols; j += kLanes) {
+          const __mmask16 m = tail_mask(cols - j);
+          __m512 acc = _mm512_maskz_loadu_ps(m, orow + j);
+          acc = _mm512_fmadd_ps(x0, _mm512_maskz_loadu_ps(m, w0 + j), acc);
+          acc = _mm512_fmadd_ps(x1, _mm512_maskz_loadu_ps(m, w1 + j), acc);
+          acc = _mm512_fmadd_ps(x2, _mm512_maskz_loadu_ps(m, w2 + j), acc);
+          acc = _mm512_fmadd_ps(x3, _mm512_maskz_loadu_ps(m, w3 + j), acc);
+          _mm512_mask_storeu_ps(orow + j, m, acc);
         }
       }
+    }
   });
 #endif
 }

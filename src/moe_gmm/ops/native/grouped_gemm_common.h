@@ -2,6 +2,7 @@
 // bounds, the (expert, range) tasks and their split between threads.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -43,6 +44,23 @@ inline std::vector<int64_t> cut_by_cost(const std::vector<double>& cost, int64_t
     while (next < threads && seen >= total * double(next) / double(threads)) cut[next++] = i + 1;
   }
   return cut;
+}
+
+struct NoScope {};
+
+// Runs the tasks in the cut_by_cost ranges, one per thread (of torch's intra-op threads); each
+// thread constructs a Scope before its range and destroys it after (per-thread set-up such as the
+// AMX tile configuration, or a fence after streaming stores).
+template <typename Scope, typename Run>
+void run_tasks(const std::vector<Task>& tasks, const std::vector<double>& cost, const Run& run) {
+  if (tasks.empty()) return;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  const std::vector<int64_t> cut = cut_by_cost(cost, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    Scope scope;
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t i = cut[t]; i < cut[t + 1]; ++i) run(tasks[i]);
+  });
 }
 
 }  // namespace moe_gmm_gemm
