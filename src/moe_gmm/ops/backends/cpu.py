@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -280,13 +281,13 @@ def amx_available() -> bool:
     return ops is not None and _amx_granted(ops)
 
 
-_amx_state: dict[str, bool] = {}  # what the CPU and build support, asked once
+_cpu_support: dict[str, bool] = {}  # what the CPU and build support, asked once
 
 
 def _amx_granted(ops) -> bool:
-    if "granted" not in _amx_state:
-        _amx_state["granted"] = bool(ops.amx_gemm_supported())
-    return _amx_state["granted"]
+    if "amx" not in _cpu_support:
+        _cpu_support["amx"] = bool(ops.amx_gemm_supported())
+    return _cpu_support["amx"]
 
 
 def _amx(*tensors: torch.Tensor, widths: tuple[int, ...]):
@@ -300,15 +301,15 @@ def _amx(*tensors: torch.Tensor, widths: tuple[int, ...]):
 
 
 def _avx512(*tensors: torch.Tensor):
-    """The native ops when the AVX-512 float32 grad_weight kernel takes these operands, else None."""
+    """The native ops when the AVX-512 float32 kernels take these operands, else None."""
     if not USE_AVX512 or any(t.dtype != torch.float32 for t in tensors):
         return None
     ops = native.ops(*tensors)
     if ops is None:
         return None
-    if "avx512" not in _amx_state:
-        _amx_state["avx512"] = bool(ops.avx512_gemm_supported())
-    return ops if _amx_state["avx512"] else None
+    if "avx512" not in _cpu_support:
+        _cpu_support["avx512"] = bool(ops.avx512_gemm_supported())
+    return ops if _cpu_support["avx512"] else None
 
 
 def _weight_layout(w_EKN: torch.Tensor) -> str | None:
@@ -329,6 +330,18 @@ def _ends(group_ends_E: torch.Tensor) -> torch.Tensor:
     return group_ends_E.to(torch.int64).contiguous()
 
 
+def _any_small(bounds: list[int], max_rows: int) -> bool:
+    return any(0 < end - start <= max_rows for start, end in itertools.pairwise(bounds))
+
+
+def _large_experts(bounds: list[int], max_rows: int) -> Iterator[tuple[int, int, int]]:
+    """``(expert, start, end)`` of the experts a native kernel left to one GEMM each (more than
+    ``max_rows`` rows)."""
+    for e, (start, end) in enumerate(itertools.pairwise(bounds)):
+        if end - start > max_rows:
+            yield e, start, end
+
+
 def _amx_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor, *, transpose_w: bool):
     """``a[rows_e] @ w[e]`` (or ``@ w[e]^T``) on the AMX path; None when it does not apply."""
     k, n = w_EKN.shape[1], w_EKN.shape[2]
@@ -342,7 +355,7 @@ def _amx_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Te
     # by the weight's transpose (nt). Either way the stored weight is read, never copied.
     nn = (layout == "EKN") != transpose_w
     bounds = host_bounds(group_ends_E) if nn else []
-    if nn and not any(0 < end - start <= AMX_NN_MAX_ROWS for start, end in itertools.pairwise(bounds)):
+    if nn and not _any_small(bounds, AMX_NN_MAX_ROWS):
         return None  # no expert small enough for the nn kernel: the plan's path
     out = host_cache.empty((a_MR.shape[0], k if transpose_w else n), dtype=a_MR.dtype)
     b = w_EKN if layout == "EKN" else w_EKN.transpose(1, 2)
@@ -350,9 +363,8 @@ def _amx_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Te
         ops.amx_gemm_nt(_unit_rows(a_MR), b, _ends(group_ends_E), out)
         return out
     ops.amx_gemm_nn(_unit_rows(a_MR), b, _ends(group_ends_E), AMX_NN_MAX_ROWS, out)
-    for e, (start, end) in enumerate(itertools.pairwise(bounds)):  # the larger experts, by oneDNN
-        if end - start > AMX_NN_MAX_ROWS:
-            torch.mm(a_MR[start:end], w_EKN[e].T if transpose_w else w_EKN[e], out=out[start:end])
+    for e, start, end in _large_experts(bounds, AMX_NN_MAX_ROWS):
+        torch.mm(a_MR[start:end], w_EKN[e].T if transpose_w else w_EKN[e], out=out[start:end])
     return out
 
 
@@ -365,13 +377,12 @@ def _few_rows_forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: tor
     if ops is None:
         return None
     bounds = host_bounds(group_ends_E)
-    if not any(0 < end - start <= AVX512_FORWARD_MAX_ROWS for start, end in itertools.pairwise(bounds)):
+    if not _any_small(bounds, AVX512_FORWARD_MAX_ROWS):
         return None
     out = host_cache.empty((x_MK.shape[0], w_EKN.shape[2]), dtype=x_MK.dtype)
     ops.avx512_gemm_nn_few_rows(_unit_rows(x_MK), w_EKN, _ends(group_ends_E), AVX512_FORWARD_MAX_ROWS, out)
-    for e, (start, end) in enumerate(itertools.pairwise(bounds)):
-        if end - start > AVX512_FORWARD_MAX_ROWS:
-            torch.mm(x_MK[start:end], w_EKN[e], out=out[start:end])
+    for e, start, end in _large_experts(bounds, AVX512_FORWARD_MAX_ROWS):
+        torch.mm(x_MK[start:end], w_EKN[e], out=out[start:end])
     return out
 
 
@@ -414,9 +425,8 @@ def _native_grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: t
     bounds = host_bounds(group_ends_E)
     dw_EKN = host_cache.empty((len(bounds) - 1, k, n), dtype=x_MK.dtype)
     kernel(_unit_rows(x_MK), _unit_rows(dy_MN), _ends(group_ends_E), max_rows, dw_EKN)
-    for e, (start, end) in enumerate(itertools.pairwise(bounds)):
-        if end - start > max_rows:
-            torch.mm(x_MK[start:end].T, dy_MN[start:end], out=dw_EKN[e])
+    for e, start, end in _large_experts(bounds, max_rows):
+        torch.mm(x_MK[start:end].T, dy_MN[start:end], out=dw_EKN[e])
     return dw_EKN
 
 
@@ -449,6 +459,6 @@ BACKEND = GmmBackend(
     forward=forward,
     grad_input=grad_input,
     grad_weight=grad_weight,
-    notes="bf16 with AMX: native tile kernels (fp32 grad_weight: AVX-512); else small even groups: padded "
-    "bmm over runs of experts, large or uneven groups: a GEMM loop",
+    notes="bf16 with AMX: native tile kernels; fp32 with AVX-512: native grad_weight and few-row forward; "
+    "else small even groups: padded bmm over runs of experts, large or uneven groups: a GEMM loop",
 )
