@@ -338,6 +338,18 @@ def test_amx_results_do_not_depend_on_thread_count(amx):
             assert torch.equal(got, first)
 
 
+def test_amx_nt_takes_rows_with_an_odd_stride(amx):
+    counts = [5, 0, 21]
+    x, w, _ = gmm_inputs(counts, 64, 96, torch.bfloat16)
+    dy_wide = torch.randn(x.shape[0], 97).to(torch.bfloat16)
+    dy = dy_wide[:, :96]  # row stride 97: its rows cannot be read as bfloat16 pairs in place
+    ends = torch.tensor(counts).cumsum(0)
+    dx_ref, _ = reference_grouped_matmul_grads(x, w, counts, dy)
+    got = get_backend("cpu").grad_input(dy, w, ends)
+    assert_rel_close(got, dx_ref, tolerance_for(torch.bfloat16).rel, "grad_input")
+    assert torch.equal(got, get_backend("cpu").grad_input(dy.contiguous(), w, ends))
+
+
 def test_amx_falls_back_for_unaligned_widths(amx):
     x, w, _ = gmm_inputs([3, 4], 48, 32, torch.bfloat16)
     assert cpu._amx(x, w, widths=(48, 32)) is None
@@ -351,6 +363,7 @@ def test_amx_falls_back_for_unaligned_widths(amx):
         (lambda ops, a, b, e, o: ops.amx_gemm_nn(a, b, e - 1, 64, o), "group_ends"),
         (lambda ops, a, b, e, o: ops.amx_gemm_nn(a.float(), b, e, 64, o), "bfloat16"),
         (lambda ops, a, b, e, o: ops.amx_gemm_nt(a, b, e, o[:, :32]), "shapes do not match"),
+        (lambda ops, a, b, e, o: ops.amx_gemm_nt(torch.zeros(6, 65, dtype=a.dtype)[:, :64], b, e, o), "even"),
     ],
 )
 def test_amx_ops_reject_bad_operands(amx, call, message):

@@ -360,7 +360,9 @@ def _amx_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Te
     out = host_cache.empty((a_MR.shape[0], k if transpose_w else n), dtype=a_MR.dtype)
     b = w_EKN if layout == "EKN" else w_EKN.transpose(1, 2)
     if not nn:
-        ops.amx_gemm_nt(_unit_rows(a_MR), b, _ends(group_ends_E), out)
+        a = _unit_rows(a_MR)
+        # nt reads a's rows as bfloat16 pairs: an odd row stride (a column slice) is copied first
+        ops.amx_gemm_nt(a if a.stride(0) % 2 == 0 else a.contiguous(), b, _ends(group_ends_E), out)
         return out
     ops.amx_gemm_nn(_unit_rows(a_MR), b, _ends(group_ends_E), AMX_NN_MAX_ROWS, out)
     for e, start, end in _large_experts(bounds, AMX_NN_MAX_ROWS):
