@@ -17,9 +17,15 @@
 //       step into a whole-depth panel instead ran 22.4 against 18.1 ms at E256 with 4 rows each
 //       (K1024 N512); tn's partial sums over 1024 columns at once (1 MiB) ran 1.4x slower than in
 //       256-column blocks.
-// Measured against a oneDNN loop (2 threads, experts of 64 rows, K = N = 1024): nt 1.4x, tn
-// 1.5-2x and nn 1.1x faster; past about 128 rows per expert oneDNN catches up, so the Python side
-// hands larger experts to it.
+//   nn for experts of at most 16 rows: no packing at all. The weight's rows go straight into B
+//       tiles, read as pairs of adjacent columns, and each product runs twice, against the input
+//       spread into the pairs' first and second places (spread_product): twice the tile arithmetic,
+//       which few rows leave idle anyway. 1.1-1.2x faster than chunked_product at 4-16 rows
+//       (E256, K1024 N512), slower from 32 rows.
+// Measured against a oneDNN loop (2 threads, experts of 64 rows, K = N = 1024): tn 1.5-2x and nn
+// 1.1x faster; past about 128 rows per expert oneDNN catches up, so the Python side hands larger
+// experts to it. nt takes every size (at 1024 rows, K1024 N512: 1.3x faster than its 16 x 16
+// transpose version, equal at K512 N1024).
 //
 // Ops (namespace moe_gmm_native); group_ends[E] int64 on the host: expert e owns rows
 // [group_ends[e-1], group_ends[e]). Every operand is bfloat16 with a contiguous last dimension,
@@ -69,6 +75,7 @@ constexpr int kBlock = 32;       // output block: 2 x 2 tiles of 16 x 16
 constexpr int64_t kPanel = 256;  // nt, tn: output columns (nt) or rows (tn) per task; a packed
                                  // panel of K = 1024 is 512 KiB, so it and its rows fit in L2
 constexpr int64_t kPanelNN = 512;
+constexpr int64_t kSpreadMaxRows = 16;  // nn: experts of at most this many rows take spread_product
 constexpr int kStripRows = 32;  // nn: output columns per task, read in chunks of full rows
 
 // Linux hands out AMX's 8 KiB of tile state only to processes that ask (arch_prctl).
@@ -323,6 +330,83 @@ void weight_rows_product(const uint16_t* w, int64_t ldw, int64_t begin, int64_t 
   }
 }
 
+// a's rows [rows][depth] spread over two buffers of 2 * depth bfloat16 values per row, rows padded
+// with zeros to a multiple of 16: even[m][2k] = a[m, k] and odd[m][2k + 1] = a[m, k], zero
+// elsewhere. A 32-value row of an A tile taken from `even` holds 16 values of a in the pairs' first
+// places, from `odd` in their second.
+void spread_rows(const uint16_t* a, int64_t lda, int64_t rows, int64_t depth, std::vector<uint32_t>& even,
+                 std::vector<uint32_t>& odd) {
+  const int64_t padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  even.assign(padded * depth, 0);
+  odd.assign(padded * depth, 0);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t k = 0; k < depth; k += 16) {
+      const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + m * lda + k)));
+      _mm512_storeu_si512(even.data() + m * depth + k, v);
+      _mm512_storeu_si512(odd.data() + m * depth + k, _mm512_slli_epi32(v, 16));
+    }
+}
+
+// out[m, c..c+31] (bfloat16) from even[m][i] (column c + 2i) and odd[m][i] (column c + 2i + 1).
+inline void store_interleaved(const float* even, const float* odd, uint16_t* dst) {
+  alignas(64) static const int32_t kLow[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+  alignas(64) static const int32_t kHigh[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512 e = _mm512_loadu_ps(even), o = _mm512_loadu_ps(odd);
+  const __m512 lo = _mm512_permutex2var_ps(e, _mm512_load_si512(kLow), o);
+  const __m512 hi = _mm512_permutex2var_ps(e, _mm512_load_si512(kHigh), o);
+  _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+}
+
+// nn for one expert and the output columns [begin, end): out = a @ w with w's rows loaded straight
+// into B tiles, unpacked. A B tile row is then 16 pairs of adjacent *columns* of one weight row, so
+// each product runs twice, against a's values spread into the pairs' first places (the even
+// columns) and into their second (the odd ones): twice the tile arithmetic, no packing of the
+// weight. Up to 16 rows, two 32-column blocks per pass over the reduction; up to 32, one.
+void spread_product(const uint16_t* even, const uint16_t* odd, int64_t ld, int64_t rows, const uint16_t* w, int64_t ldw, int64_t begin,
+                    int64_t end, int64_t depth, uint16_t* out, int64_t ldo) {
+  alignas(64) float c[4][kTileRows * kTileRows];
+  for (int64_t mg = 0; mg < rows; mg += kBlock) {
+    const int64_t blocks = rows - mg > kTileRows ? 2 : 1;  // 16-row blocks of a in this group
+    const int64_t step = blocks == 1 ? 2 * kBlock : kBlock;
+    for (int64_t j = begin; j < end; j += step) {
+      const bool wide = blocks == 1 && j + kBlock < end;  // a second column block in this pass
+      zero_block();
+      for (int64_t k = 0; k < depth; k += kTileRows) {
+        const int64_t a0 = mg * ld + 2 * k;
+        _tile_loadd(6, w + k * ldw + j, ldw * 2);
+        if (wide) _tile_loadd(7, w + k * ldw + j + kBlock, ldw * 2);
+        _tile_loadd(4, even + a0, ld * 2);
+        _tile_loadd(5, odd + a0, ld * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (wide) {
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        } else if (blocks == 2) {
+          const int64_t a1 = a0 + kTileRows * ld;
+          _tile_loadd(4, even + a1, ld * 2);
+          _tile_loadd(5, odd + a1, ld * 2);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_dpbf16ps(3, 5, 6);
+        }
+      }
+      const int pairs = wide || blocks == 2 ? 2 : 1;
+      _tile_stored(0, c[0], kTileRows * 4);
+      _tile_stored(1, c[1], kTileRows * 4);
+      if (pairs == 2) {
+        _tile_stored(2, c[2], kTileRows * 4);
+        _tile_stored(3, c[3], kTileRows * 4);
+      }
+      for (int q = 0; q < pairs; ++q) {
+        const int64_t m = mg + (blocks == 2 ? q * kTileRows : 0), col = j + (wide ? q * kBlock : 0);
+        const int64_t real = std::min<int64_t>(kTileRows, rows - m);
+        for (int64_t i = 0; i < real; ++i)
+          store_interleaved(c[2 * q] + i * kTileRows, c[2 * q + 1] + i * kTileRows, out + (m + i) * ldo + col);
+      }
+    }
+  }
+}
+
 // One task per (expert, panel) for experts of at most max_rows rows; an empty expert has none
 // unless its output must be zeroed (tn).
 // Cost: the expert's rows rounded up to a block, plus a constant for reading the weight panel.
@@ -394,11 +478,25 @@ void amx_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
   std::vector<Task> tasks;
   std::vector<double> cost;
   panel_tasks(starts, width, false, max_rows, tasks, cost, kPanelNN);
+  static std::atomic<int64_t> calls{0};
+  const int64_t call = ++calls;
   run_tasks(tasks, cost, [&](const Task& task) {
-    const int64_t m0 = starts[task.expert];
-    const uint16_t* w = bp + task.expert * lde + task.begin;
-    chunked_product<false>(ap + m0 * lda, lda, starts[task.expert + 1] - m0, [&](int64_t k) { return w + k * ldb; },
-                           depth, task.end - task.begin, op + m0 * ldo + task.begin, ldo);
+    const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
+    const uint16_t* w = bp + task.expert * lde;
+    if (rows > kSpreadMaxRows) {
+      chunked_product<false>(ap + m0 * lda, lda, rows, [&](int64_t k) { return w + k * ldb + task.begin; }, depth,
+                             task.end - task.begin, op + m0 * ldo + task.begin, ldo);
+      return;
+    }
+    // an expert's panels are consecutive tasks, mostly on one thread: its rows are spread once
+    thread_local std::vector<uint32_t> even, odd;
+    thread_local int64_t spread_call = 0, spread_expert = -1;
+    if (spread_call != call || spread_expert != task.expert) {
+      spread_rows(ap + m0 * lda, lda, rows, depth, even, odd);
+      spread_call = call, spread_expert = task.expert;
+    }
+    spread_product(reinterpret_cast<const uint16_t*>(even.data()), reinterpret_cast<const uint16_t*>(odd.data()),
+                   2 * depth, rows, w, ldb, task.begin, task.end, depth, op + m0 * ldo, ldo);
   });
 #endif
 }
