@@ -407,6 +407,24 @@ void spread_product(const uint16_t* even, const uint16_t* odd, int64_t ld, int64
   }
 }
 
+// A number for each call of an op, so per-thread state can tell calls apart.
+int64_t next_call() {
+  static std::atomic<int64_t> calls{0};
+  return ++calls;
+}
+
+// Per thread, the expert whose input rows it last prepared (packed or spread) and in which call:
+// an expert's panels are consecutive tasks, mostly on one thread, so its rows are prepared once.
+struct PreparedExpert {
+  int64_t call = 0, expert = -1;
+  // whether (call, expert) needs preparing; remembers it as prepared
+  bool stale(int64_t now, int64_t e) {
+    if (call == now && expert == e) return false;
+    call = now, expert = e;
+    return true;
+  }
+};
+
 // One task per (expert, panel) for experts of at most max_rows rows; an empty expert has none
 // unless its output must be zeroed (tn).
 // Cost: the expert's rows rounded up to a block, plus a constant for reading the weight panel.
@@ -478,8 +496,7 @@ void amx_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
   std::vector<Task> tasks;
   std::vector<double> cost;
   panel_tasks(starts, width, false, max_rows, tasks, cost, kPanelNN);
-  static std::atomic<int64_t> calls{0};
-  const int64_t call = ++calls;
+  const int64_t call = next_call();
   run_tasks(tasks, cost, [&](const Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
     const uint16_t* w = bp + task.expert * lde;
@@ -488,13 +505,9 @@ void amx_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
                              task.end - task.begin, op + m0 * ldo + task.begin, ldo);
       return;
     }
-    // an expert's panels are consecutive tasks, mostly on one thread: its rows are spread once
     thread_local std::vector<uint32_t> even, odd;
-    thread_local int64_t spread_call = 0, spread_expert = -1;
-    if (spread_call != call || spread_expert != task.expert) {
-      spread_rows(ap + m0 * lda, lda, rows, depth, even, odd);
-      spread_call = call, spread_expert = task.expert;
-    }
+    thread_local PreparedExpert spread;
+    if (spread.stale(call, task.expert)) spread_rows(ap + m0 * lda, lda, rows, depth, even, odd);
     spread_product(reinterpret_cast<const uint16_t*>(even.data()), reinterpret_cast<const uint16_t*>(odd.data()),
                    2 * depth, rows, w, ldb, task.begin, task.end, depth, op + m0 * ldo, ldo);
   });
@@ -512,17 +525,13 @@ void amx_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
   std::vector<Task> tasks;
   std::vector<double> cost;
   panel_tasks(starts, width, false, INT64_MAX, tasks, cost);
-  static std::atomic<int64_t> calls{0};
-  const int64_t call = ++calls;
+  const int64_t call = next_call();
   run_tasks(tasks, cost, [&](const Task& task) {
-    // an expert's panels are consecutive tasks, mostly on one thread: its rows are packed once
     thread_local std::vector<uint32_t> a_t;
-    thread_local int64_t packed_call = 0, packed_expert = -1;
+    thread_local PreparedExpert packed;
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
-    if (packed_call != call || packed_expert != task.expert) {
+    if (packed.stale(call, task.expert))
       pack_rows_as_pairs(reinterpret_cast<const uint32_t*>(ap + m0 * lda), lda / 2, rows, depth / 2, a_t);
-      packed_call = call, packed_expert = task.expert;
-    }
     weight_rows_product(bp + task.expert * lde, ldb, task.begin, task.end, a_t.data(), rows, depth,
                         op + m0 * ldo, ldo);
   });
