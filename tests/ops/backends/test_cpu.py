@@ -1,4 +1,5 @@
-"""The ``cpu`` backend: each of its strategies (AMX tiles, padded bmm, loop) held to the grouped-matmul contract.
+"""The ``cpu`` backend: each of its strategies (AMX tiles, AVX-512, one GEMM per expert on a thread,
+padded bmm, loop) held to the grouped-matmul contract.
 
 The generic contract tests (tests/ops/test_grouped_matmul.py, test_backend_contract.py) already
 run every registered CPU backend, this one included, through ``auto``-style dispatch; here each
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_gmm import grouped_matmul
+from moe_gmm.ops import native
 from moe_gmm.ops.backends import cpu, get_backend
 from moe_gmm.testing import (
     assert_rel_close,
@@ -25,15 +27,23 @@ from moe_gmm.testing import (
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=["padded", "padded_by_expert", "loop"])
+@pytest.fixture(params=["experts", "padded", "padded_by_expert", "loop"])
 def strategy(request, monkeypatch):
     """Force one strategy by moving the thresholds of the plan (the code paths stay the real ones).
 
-    ``padded_by_expert`` runs the padded path one expert per bmm (the smallest chunk it takes).
-    The native GEMM paths (AMX, AVX-512) are off here: they have their own tests below.
+    ``experts``: one library GEMM per expert, whole experts per thread (the native ``experts_mm``
+    ops) for every expert, float32 included. ``padded_by_expert`` runs the padded path one expert
+    per bmm (the smallest chunk it takes). The native tile and vector kernels (AMX, AVX-512) are
+    off here: they have their own tests below.
     """
     monkeypatch.setattr(cpu, "USE_AMX", False)
     monkeypatch.setattr(cpu, "USE_AVX512", False)
+    monkeypatch.setattr(cpu, "USE_EXPERTS_MM", request.param == "experts")
+    monkeypatch.setattr(cpu, "EXPERTS_MM_MIN_EXPERTS_FP32", 1)
+    if request.param == "experts":
+        if native.ops() is None:
+            pytest.skip("the experts_mm ops need the native kernels built")
+        return "experts"
     if request.param == "padded_by_expert":
         monkeypatch.setattr(cpu, "PADDED_CHUNK_BYTES", 1)
     if request.param.startswith("padded"):
@@ -103,7 +113,8 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cases_vs_float64_and_eager(strategy, dtype, case):
     counts, k, n = CASES[case]
-    assert _plan_strategy(counts, dtype) == ("loop" if sum(counts) == 0 else strategy)
+    if strategy != "experts":
+        assert _plan_strategy(counts, dtype) == ("loop" if sum(counts) == 0 else strategy)
     _check(counts, k, n, dtype)
 
 
@@ -271,25 +282,22 @@ def test_amx_vs_float64_and_eager(amx, counts, k, n, transposed_weight, seed):
     # for nt and tn, 512 for nn) and depths past one chunk of nn (256 rows).
     _assert_takes_amx(counts, k, n, transposed_weight)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu, "AMX_NN_MAX_ROWS", 10**9)  # the nn kernel at every row count
+        for limit in AMX_LIMITS:  # the tile kernels at every row count
+            patch.setattr(cpu, limit, 10**9)
         _check(counts, k, n, torch.bfloat16, transposed_weight=transposed_weight, seed=seed)
 
 
-def test_amx_nn_kernel_hands_large_experts_to_onednn(amx, monkeypatch):
-    monkeypatch.setattr(cpu, "AMX_NN_MAX_ROWS", 8)
-    _assert_takes_amx([3, 20, 0, 9, 8], 64, 32)
-    for transposed_weight in (False, True):  # nn is the forward of EKN, the grad_input of ENK
-        _check([3, 20, 0, 9, 8], 64, 32, torch.bfloat16, transposed_weight=transposed_weight)
-    x, w, _ = gmm_inputs([20, 0, 9], 32, 64, torch.bfloat16)
-    assert cpu._amx_product(x, w, torch.tensor([20, 20, 29]), transpose_w=False) is None  # every expert large
-    dy = torch.zeros(x.shape[0], 64, dtype=torch.bfloat16)
-    assert cpu._amx_product(dy, w, torch.tensor([20, 20, 29]), transpose_w=True) is not None  # nt: any size
+AMX_LIMITS = ("AMX_NN_MAX_ROWS", "AMX_NT_MAX_ROWS", "AMX_GRAD_WEIGHT_MAX_ROWS")
 
 
-def test_amx_grad_weight_hands_large_experts_to_onednn(amx, monkeypatch):
-    monkeypatch.setattr(cpu, "AMX_GRAD_WEIGHT_MAX_ROWS", 8)
-    _assert_takes_amx([3, 20, 0, 9, 8], 64, 32)
-    _check([3, 20, 0, 9, 8], 64, 32, torch.bfloat16)
+@pytest.mark.parametrize("limit", AMX_LIMITS)
+@pytest.mark.parametrize("transposed_weight", [False, True])  # nn is the forward of EKN, the grad_input of ENK
+def test_amx_kernels_hand_large_experts_to_library_gemms(amx, monkeypatch, limit, transposed_weight):
+    monkeypatch.setattr(cpu, limit, 8)
+    _assert_takes_amx([3, 20, 0, 9, 8, 40], 64, 32, transposed_weight)
+    _check([3, 20, 0, 9, 8, 40], 64, 32, torch.bfloat16, transposed_weight=transposed_weight)
+    monkeypatch.setattr(cpu, limit, 0)  # every expert large
+    _check([20, 0, 9], 64, 32, torch.bfloat16, transposed_weight=transposed_weight)
 
 
 def test_amx_expanded_grad_output(amx):
@@ -362,8 +370,8 @@ def test_amx_falls_back_for_unaligned_widths(amx):
         (lambda ops, a, b, e, o: ops.amx_gemm_nn(a[:, :16], b[:, :16], e, 64, o), "multiple of 32"),
         (lambda ops, a, b, e, o: ops.amx_gemm_nn(a, b, e - 1, 64, o), "group_ends"),
         (lambda ops, a, b, e, o: ops.amx_gemm_nn(a.float(), b, e, 64, o), "bfloat16"),
-        (lambda ops, a, b, e, o: ops.amx_gemm_nt(a, b, e, o[:, :32]), "shapes do not match"),
-        (lambda ops, a, b, e, o: ops.amx_gemm_nt(torch.zeros(6, 65, dtype=a.dtype)[:, :64], b, e, o), "even"),
+        (lambda ops, a, b, e, o: ops.amx_gemm_nt(a, b, e, 64, o[:, :32]), "shapes do not match"),
+        (lambda ops, a, b, e, o: ops.amx_gemm_nt(torch.zeros(6, 65, dtype=a.dtype)[:, :64], b, e, 64, o), "even"),
     ],
 )
 def test_amx_ops_reject_bad_operands(amx, call, message):
@@ -461,3 +469,133 @@ def test_avx512_few_rows_forward_writes_every_row_under_poison(avx512, poisoned_
         )
     transposed = w.transpose(1, 2).contiguous().transpose(1, 2)
     assert cpu._few_rows_forward(x, transposed, ends) is None  # [E, N, K] storage: MKL's loop
+
+
+# --- one library GEMM per expert, whole experts per thread (experts_mm, experts_mm_tn) ----------
+
+
+@pytest.fixture(scope="module")
+def experts_ops():
+    ops = native.ops()
+    if ops is None:
+        pytest.skip("the experts_mm ops need the native kernels built")
+    return ops
+
+
+def _grouped_operands(counts, k, n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(counts)
+    a = torch.randn(rows, k, generator=g).to(dtype)
+    w = torch.randn(len(counts), k, n, generator=g).to(dtype)
+    dy = torch.randn(rows, n, generator=g).to(dtype)
+    return a, w, dy, torch.tensor(counts, dtype=torch.int64).cumsum(0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 70), min_size=1, max_size=7),
+    k=st.integers(1, 100),
+    n=st.integers(1, 80),
+    dtype=st.sampled_from(DTYPES),
+    min_rows=st.sampled_from([-1, 0, 5, 33]),
+    seed=st.integers(0, 2**16),
+)
+def test_experts_mm_vs_float64_leaving_small_experts_untouched(experts_ops, counts, k, n, dtype, min_rows, seed):
+    # Row counts and widths off multiples of 32 (the edges of the 16-bit transpose in tn), odd rows.
+    a, w, dy, ends = _grouped_operands(counts, k, n, dtype, seed)
+    rel = tolerance_for(dtype).rel
+    starts = [0, *ends.tolist()[:-1]]
+    out = torch.full((a.shape[0], n), float("nan"), dtype=dtype)
+    dx = torch.full((a.shape[0], k), float("nan"), dtype=dtype)
+    dw = torch.full((len(counts), k, n), float("nan"), dtype=dtype)
+    experts_ops.experts_mm(a, w, ends, min_rows, out)
+    experts_ops.experts_mm(dy, w.transpose(1, 2), ends, min_rows, dx)  # a weight's transposed view
+    experts_ops.experts_mm_tn(a, dy, ends, min_rows, dw)
+    for e, (start, count) in enumerate(zip(starts, counts)):
+        rows = slice(start, start + count)
+        if count <= min_rows and not (count == 0 and min_rows < 0):
+            assert bool(out[rows].isnan().all() and dx[rows].isnan().all() and dw[e].isnan().all()), f"expert {e}"
+            continue
+        a64, w64, dy64 = a[rows].double(), w[e].double(), dy[rows].double()
+        assert_rel_close(out[rows], a64 @ w64, rel, f"experts_mm expert {e}")
+        assert_rel_close(dx[rows], dy64 @ w64.T, rel, f"experts_mm transposed expert {e}")
+        assert_rel_close(dw[e], a64.T @ dy64, rel, f"experts_mm_tn expert {e}")
+        if count == 0:
+            assert bool((dw[e] == 0).all()), f"empty expert {e}: its weight gradient must be exactly zero"
+
+
+def test_experts_mm_tn_reads_strided_rows(experts_ops):
+    # A column slice of a wider matrix (row stride 101), bfloat16: the transpose reads it in place.
+    counts = [37, 0, 64, 5]
+    wide = torch.randn(sum(counts), 101).to(torch.bfloat16)
+    a = wide[:, 3:99]
+    dy = torch.randn(sum(counts), 40).to(torch.bfloat16)
+    ends = torch.tensor(counts).cumsum(0)
+    dw = torch.empty(len(counts), 96, 40, dtype=torch.bfloat16)
+    experts_ops.experts_mm_tn(a, dy, ends, -1, dw)
+    expected = torch.empty_like(dw)
+    experts_ops.experts_mm_tn(a.contiguous(), dy, ends, -1, expected)
+    assert torch.equal(dw, expected)
+    assert_rel_close(dw[2], a[37:101].double().T @ dy[37:101].double(), tolerance_for(torch.bfloat16).rel, "tn")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_experts_mm_does_not_depend_on_thread_count(experts_ops, dtype):
+    counts = [300, 0, 40, 130, 7, 64]
+    a, w, dy, ends = _grouped_operands(counts, 96, 72, dtype, seed=3)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            out, dw = torch.empty(a.shape[0], 72, dtype=dtype), torch.empty(len(counts), 96, 72, dtype=dtype)
+            experts_ops.experts_mm(a, w, ends, 0, out)
+            experts_ops.experts_mm_tn(a, dy, ends, -1, dw)
+            results.append((out, dw))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert torch.equal(other[0], results[0][0]) and torch.equal(other[1], results[0][1])
+
+
+def test_experts_mm_takes_operands_that_require_grad(experts_ops):
+    # Weights are parameters: the worker threads' GEMMs must not be recorded by autograd (an out=
+    # GEMM on tensors that require grad raises there).
+    a, w, dy, ends = _grouped_operands([50, 70], 32, 48, torch.float32, seed=1)
+    a.requires_grad_(True), w.requires_grad_(True)
+    out, dw = torch.empty(120, 48), torch.empty(2, 32, 48)
+    with torch.enable_grad():
+        experts_ops.experts_mm(a, w, ends, 0, out)
+        experts_ops.experts_mm_tn(a, dy, ends, -1, dw)
+    assert not out.requires_grad and not dw.requires_grad
+    assert_rel_close(out[50:], a[50:].detach().double() @ w[1].detach().double(), 1e-5, "experts_mm")
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda ops, a, w, dy, e: ops.experts_mm(a, w, e, 0, torch.empty(6, 9)), "shapes do not match"),
+        (lambda ops, a, w, dy, e: ops.experts_mm(a, w[:, :3], e, 0, torch.empty(6, 8)), "shapes do not match"),
+        (lambda ops, a, w, dy, e: ops.experts_mm(a, w.double(), e, 0, torch.empty(6, 8)), "one dtype"),
+        (lambda ops, a, w, dy, e: ops.experts_mm(a, w, e - 1, 0, torch.empty(6, 8)), "group_ends"),
+        (lambda ops, a, w, dy, e: ops.experts_mm_tn(a, dy, e, 0, torch.empty(2, 4, 9)), "shapes do not match"),
+        (lambda ops, a, w, dy, e: ops.experts_mm_tn(a, dy[:5], e, 0, torch.empty(2, 4, 8)), "shapes do not match"),
+        (lambda ops, a, w, dy, e: ops.experts_mm_tn(a, dy.half(), e, 0, torch.empty(2, 4, 8)), "one dtype"),
+    ],
+)
+def test_experts_mm_rejects_bad_operands(experts_ops, call, message):
+    a, w, dy, ends = _grouped_operands([2, 4], 4, 8, torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match=message):
+        call(experts_ops, a, w, dy, ends)
+
+
+def test_experts_strategy_choice(experts_ops, monkeypatch):
+    # float32: MKL's own split between threads was as fast with few large experts
+    x8, w8, _ = gmm_inputs([30] * 8, 32, 16)
+    x20, w20, _ = gmm_inputs([30] * 20, 32, 16)
+    assert cpu._experts_product(x8, w8, torch.tensor([30] * 8).cumsum(0)) is None
+    assert cpu._experts_product(x20, w20, torch.tensor([30] * 20).cumsum(0)) is not None
+    xb, wb = x8.to(torch.bfloat16), w8.to(torch.bfloat16)  # 16-bit: from any number of experts
+    assert cpu._experts_product(xb, wb, torch.tensor([30] * 8).cumsum(0)) is not None
+    monkeypatch.setattr(cpu, "USE_EXPERTS_MM", False)
+    assert cpu._experts_product(xb, wb, torch.tensor([30] * 8).cumsum(0)) is None

@@ -1,5 +1,7 @@
-"""Grouped matmul tuned for CPUs: native kernels where the CPU has AMX / AVX-512, else one batched
-GEMM when groups are even and a per-expert loop otherwise.
+"""Grouped matmul tuned for CPUs: native kernels for small experts where the CPU has AMX / AVX-512,
+one library GEMM per expert with whole experts shared between the threads for the rest, and
+torch-only strategies (one batched GEMM when groups are even, a per-expert loop otherwise) when
+the native ops are not built.
 
 Legend: M rows, K in-features, N out-features, E experts, P padded rows per expert,
 ``dest_M`` the row of the padded ``[E * P, ...]`` buffer that holds each of the M rows.
@@ -17,17 +19,25 @@ So each call picks a strategy (group sizes are read on the host: they live on th
 - ``amx``: bfloat16 on a CPU with AMX, every width a multiple of 32: one native call per pass
   (:mod:`moe_gmm.ops.native`, ``grouped_gemm_amx.cpp``) splits (expert, panel) tasks between the
   threads and multiplies with AMX tiles, reading each expert's weight once. oneDNN reached
-  450-700 GFLOP/s on 64-row experts where AMX tiles do 2800+ on one large GEMM. Where the kernels
-  measured slower than oneDNN they step aside: experts of more than ``AMX_NN_MAX_ROWS`` rows in
-  the ``nn`` kernel (forward of an ``[E, K, N]`` weight, grad_input of an ``[E, N, K]`` one) and of
-  more than ``AMX_GRAD_WEIGHT_MAX_ROWS`` in grad_weight are one oneDNN GEMM each.
+  450-700 GFLOP/s on 64-row experts where AMX tiles do 2800+ on one large GEMM. The kernels take
+  experts up to a row limit per kernel (``AMX_NN_MAX_ROWS`` for the forward of an ``[E, K, N]``
+  weight and the grad_input of an ``[E, N, K]`` one, ``AMX_NT_MAX_ROWS`` for the other two,
+  ``AMX_GRAD_WEIGHT_MAX_ROWS``), above which oneDNN was faster.
 
-- float32 on a CPU with AVX-512 (``grouped_gemm_avx512.cpp``): grad_weight as one native call for
-  experts of up to ``AVX512_GRAD_WEIGHT_MAX_ROWS`` rows (MKL ran 160-170 GFLOP/s on 64-row
-  experts, the kernel 1.3-1.6x faster), and the forward of an ``[E, K, N]`` weight for experts of
-  up to ``AVX512_FORWARD_MAX_ROWS`` rows, streaming each weight once; MKL for larger experts.
+- float32 on a CPU with AVX-512 (``grouped_gemm_avx512.cpp``): grad_weight for experts of up to
+  ``AVX512_GRAD_WEIGHT_MAX_ROWS`` rows (MKL ran 160-170 GFLOP/s on 64-row experts, the kernel
+  1.3-1.6x faster), and the forward of an ``[E, K, N]`` weight for experts of up to
+  ``AVX512_FORWARD_MAX_ROWS`` rows, streaming each weight once.
 
-Otherwise, from the group sizes:
+- ``experts`` (``experts_mm.cpp``): every expert no kernel above takes is one oneDNN / MKL GEMM on
+  one thread, whole experts shared between the threads, all in one native call. A loop of
+  GEMMs that each split between the threads forks and joins them once per expert, and oneDNN's
+  split left one of two threads idle at some row counts (bf16 K = N = 1024: 1024-1408 rows ran
+  as slowly as on one thread). grad_weight hands oneDNN the expert's input transposed into a
+  contiguous buffer: with the transposed view its GEMM ran 1.9x slower.
+
+Without the native ops (no compiler, ``MOE_GMM_NATIVE=0``), or float32 with fewer than
+``EXPERTS_MM_MIN_EXPERTS_FP32`` experts, from the group sizes:
 
 - ``padded``: every group padded to the largest group's P rows and the problem run as a few
   ``torch.bmm`` calls of ``[e, P, K] x [e, K, N]``, each over a run of experts whose padded block
@@ -49,7 +59,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -100,25 +109,45 @@ GROUPED_MM_MAX_OUT_BYTES = 4 << 20
 # at E64 T512 H1024 the layer's peak memory went from 1.26x to 1.21x its budget. A run holds at
 # least two experts per thread, a multiple of the thread count (see _expert_chunks).
 PADDED_CHUNK_BYTES = 4 << 20
+# One library GEMM per expert with whole experts shared between the threads (experts_mm.cpp), for
+# the experts the native kernels below leave: against a loop whose every GEMM splits between the
+# threads, 2.0x faster at E8 with 1024 rows each (bf16 K = N = 1024, 5.8 against 11.9 ms; oneDNN
+# ran 1024-1408-row products on one of the two threads), and in float32 1.05-1.13x on the results
+# set with E >= 64 (E64 k8 T512 gate_up grad_input 68.6 against 77.3 ms). With few large float32
+# experts MKL's own split was as fast or up to 7% faster (E8, 1024 rows each, K = N = 1024: 44.5
+# against 46.5 ms), so float32 takes it from EXPERTS_MM_MIN_EXPERTS_FP32 experts.
+# Set False to give the experts no tile or vector kernel takes to the strategies of plan().
+USE_EXPERTS_MM = True
+EXPERTS_MM_MIN_EXPERTS_FP32 = 16
 # The AMX path (bf16). Set False to use the strategies below for bf16 too.
 USE_AMX = True
 AMX_ALIGN = 32
-# The nn kernel (EKN forward, ENK grad_input) against oneDNN's loop, 2 threads, K = N = 1024 unless
-# noted, ms oneDNN/AMX: E128 64 rows 28.9/26.1; E64 128 rows 22.5/17.9; E32 256 rows 13.0/13.0;
-# E16 512 rows 9.5/12.0; E8 ~1024 rows (K512) 4.4/6.1. The nt kernel (the other two) won at every
-# size measured (64 rows: 28.9 against 20.4 ms).
-AMX_NN_MAX_ROWS = 160
-# oneDNN's loop against the AMX grad_weight per expert, K = N = 1024, 2 threads: 21.9 against
-# 19.1 ms at 128 rows each (E64), 14.6 against 19.0 at 256 (E32), 10.8 against 16.8 at 512 (E16).
+# Row limits of the AMX kernels; a larger expert is one GEMM of its own (USE_EXPERTS_MM). Chosen
+# by timing the results set with each limit in one process, taking turns (benchmarks/RESULTS.md),
+# after a sweep of uniform experts (2 threads, M = 4096; ms AMX/GEMMs, K x N = 1024 x 1024,
+# 1024 x 512, 256 x 1024):
+# nn (forward of [E, K, N], grad_input of [E, N, K]): even at 16-64 rows (16: 42.4/38.1,
+# 16.8/18.7, 10.7/9.5), the GEMMs ahead from 96 (8.7/6.9, 3.8/3.4, 1.65/1.64). On the results set
+# 32 ran up to 1.16x faster than 64 (E64 k8 T512 gate_up forward 24.3 against 28.3 ms), and 64
+# than 160 by 1.05-1.1x.
+AMX_NN_MAX_ROWS = 32
+# nt (the other two): the kernel ahead to 192 rows (4.3/4.9 and 1.26/1.37 at K = N = 1024 and
+# K256), even at 256; the GEMMs 1.5x faster at 1024 rows (E8 k2 T4096 grad_input 6.1 against 8.9).
+AMX_NT_MAX_ROWS = 192
+# tn (grad_weight): oneDNN ran 48-64-row products slowly (K = N = 1024, 48 rows: 23.5 against 10.3
+# ms); 128 was the fastest limit on 3 of the 4 results cases with 64-row experts (E128 k2 T4096
+# gate_up 21.5 ms, against 24.0 at 96 and 28.8 at 64).
 AMX_GRAD_WEIGHT_MAX_ROWS = 128
 # The float32 grad_weight kernel (AVX-512). Against MKL's loop (2 threads, ms MKL/kernel):
 # E256 4 rows K1024 N512 31.0/23.7; E128 64 rows K = N = 1024 115.5/82.1; E64 128 rows 77.9/71.2;
-# E32 256 rows 58.3/77.1.
+# E32 256 rows 58.3/77.1. Against one GEMM per expert on a thread each the results set ran the
+# same at limits 64-128, except 64 1.15-1.25x slower at E64-E128 with 64-row experts.
 USE_AVX512 = True
 AVX512_GRAD_WEIGHT_MAX_ROWS = 128
 # The float32 forward of an [E, K, N] weight for experts of few rows (AVX-512): it streams each
 # weight once. Against MKL's loop (2 threads, ms MKL/kernel): E256 4 rows K1024 N512 45.4/33.5,
 # 16 rows 69.9/59.8; K256 N1024 26.0/15.5 and 39.8/31.4; E128 32 rows K = N = 1024 76.1/113.0.
+# Limits 8, 12 and 16 ran the same on the results set.
 AVX512_FORWARD_MAX_ROWS = 16
 
 
@@ -334,16 +363,19 @@ def _any_small(bounds: list[int], max_rows: int) -> bool:
     return any(0 < end - start <= max_rows for start, end in itertools.pairwise(bounds))
 
 
-def _large_experts(bounds: list[int], max_rows: int) -> Iterator[tuple[int, int, int]]:
-    """``(expert, start, end)`` of the experts a native kernel left to one GEMM each (more than
-    ``max_rows`` rows)."""
-    for e, (start, end) in enumerate(itertools.pairwise(bounds)):
-        if end - start > max_rows:
-            yield e, start, end
+def _experts_ops(*tensors: torch.Tensor, num_experts: int):
+    """The native ops when one library GEMM per expert, whole experts per thread
+    (``experts_mm.cpp``), takes these operands; else None (the plan's path)."""
+    if not USE_EXPERTS_MM or tensors[0].shape[0] == 0:
+        return None
+    if tensors[0].dtype == torch.float32 and num_experts < EXPERTS_MM_MIN_EXPERTS_FP32:
+        return None
+    return native.ops(*tensors)
 
 
 def _amx_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor, *, transpose_w: bool):
-    """``a[rows_e] @ w[e]`` (or ``@ w[e]^T``) on the AMX path; None when it does not apply."""
+    """``a[rows_e] @ w[e]`` (or ``@ w[e]^T``) on the AMX path, its large experts one GEMM each;
+    None when it does not apply."""
     k, n = w_EKN.shape[1], w_EKN.shape[2]
     if a_MR.shape[0] == 0:
         return None
@@ -354,19 +386,18 @@ def _amx_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Te
     # EKN forward and ENK grad_input multiply by rows of the weight as stored (nn); the other two
     # by the weight's transpose (nt). Either way the stored weight is read, never copied.
     nn = (layout == "EKN") != transpose_w
-    bounds = host_bounds(group_ends_E) if nn else []
-    if nn and not _any_small(bounds, AMX_NN_MAX_ROWS):
-        return None  # no expert small enough for the nn kernel: the plan's path
     out = host_cache.empty((a_MR.shape[0], k if transpose_w else n), dtype=a_MR.dtype)
     b = w_EKN if layout == "EKN" else w_EKN.transpose(1, 2)
-    if not nn:
+    ends = _ends(group_ends_E)
+    if nn:
+        max_rows = AMX_NN_MAX_ROWS
+        ops.amx_gemm_nn(_unit_rows(a_MR), b, ends, max_rows, out)
+    else:
+        max_rows = AMX_NT_MAX_ROWS
         a = _unit_rows(a_MR)
         # nt reads a's rows as bfloat16 pairs: an odd row stride (a column slice) is copied first
-        ops.amx_gemm_nt(a if a.stride(0) % 2 == 0 else a.contiguous(), b, _ends(group_ends_E), out)
-        return out
-    ops.amx_gemm_nn(_unit_rows(a_MR), b, _ends(group_ends_E), AMX_NN_MAX_ROWS, out)
-    for e, start, end in _large_experts(bounds, AMX_NN_MAX_ROWS):
-        torch.mm(a_MR[start:end], w_EKN[e].T if transpose_w else w_EKN[e], out=out[start:end])
+        ops.amx_gemm_nt(a if a.stride(0) % 2 == 0 else a.contiguous(), b, ends, max_rows, out)
+    ops.experts_mm(a_MR, w_EKN.transpose(1, 2) if transpose_w else w_EKN, ends, max_rows, out)
     return out
 
 
@@ -376,15 +407,23 @@ def _few_rows_forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: tor
     if x_MK.shape[0] == 0 or w_EKN.stride(2) != 1:
         return None
     ops = _avx512(x_MK, w_EKN)
-    if ops is None:
-        return None
-    bounds = host_bounds(group_ends_E)
-    if not _any_small(bounds, AVX512_FORWARD_MAX_ROWS):
+    if ops is None or not _any_small(host_bounds(group_ends_E), AVX512_FORWARD_MAX_ROWS):
         return None
     out = host_cache.empty((x_MK.shape[0], w_EKN.shape[2]), dtype=x_MK.dtype)
-    ops.avx512_gemm_nn_few_rows(_unit_rows(x_MK), w_EKN, _ends(group_ends_E), AVX512_FORWARD_MAX_ROWS, out)
-    for e, start, end in _large_experts(bounds, AVX512_FORWARD_MAX_ROWS):
-        torch.mm(x_MK[start:end], w_EKN[e], out=out[start:end])
+    ends = _ends(group_ends_E)
+    ops.avx512_gemm_nn_few_rows(_unit_rows(x_MK), w_EKN, ends, AVX512_FORWARD_MAX_ROWS, out)
+    ops.experts_mm(x_MK, w_EKN, ends, AVX512_FORWARD_MAX_ROWS, out)
+    return out
+
+
+def _experts_product(a_MR: torch.Tensor, w_ERJ: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor | None:
+    """``a[rows_e] @ w[e]`` as one library GEMM per expert, whole experts per thread; None when
+    the native ops do not take these operands."""
+    ops = _experts_ops(a_MR, w_ERJ, num_experts=w_ERJ.shape[0])
+    if ops is None:
+        return None
+    out = host_cache.empty((a_MR.shape[0], w_ERJ.shape[2]), dtype=a_MR.dtype)
+    ops.experts_mm(a_MR, w_ERJ, _ends(group_ends_E), 0, out)
     return out
 
 
@@ -392,6 +431,8 @@ def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor)
     out = _amx_product(x_MK, w_EKN, group_ends_E, transpose_w=False)
     if out is None:
         out = _few_rows_forward(x_MK, w_EKN, group_ends_E)
+    if out is None:
+        out = _experts_product(x_MK, w_EKN, group_ends_E)
     if out is not None:
         return out
     p = plan(host_bounds(group_ends_E), x_MK.dtype)
@@ -402,6 +443,8 @@ def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor)
 
 def grad_input(dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
     out = _amx_product(dy_MN, w_EKN, group_ends_E, transpose_w=True)
+    if out is None:
+        out = _experts_product(dy_MN, w_EKN.transpose(1, 2), group_ends_E)
     if out is not None:
         return out
     p = plan(host_bounds(group_ends_E), dy_MN.dtype)
@@ -411,24 +454,25 @@ def grad_input(dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Ten
 
 
 def _native_grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor | None:
-    """grad_weight by the AMX (bfloat16) or AVX-512 (float32) kernel, experts above its row limit by
-    one GEMM each; None when neither kernel takes these operands."""
+    """grad_weight by the AMX (bfloat16) or AVX-512 (float32) kernel for experts up to its row
+    limit and one GEMM per expert for the rest, or all by one GEMM per expert; None when the
+    native ops do not take these operands."""
     k, n = x_MK.shape[1], dy_MN.shape[1]
     if x_MK.shape[0] == 0:  # no rows (strides of an empty tensor are arbitrary): the plan's path
         return None
-    ops = _amx(x_MK, dy_MN, widths=(k, n))
+    num_experts = group_ends_E.shape[0]
+    ops, kernel, max_rows = _amx(x_MK, dy_MN, widths=(k, n)), None, -1
     if ops is not None:
         kernel, max_rows = ops.amx_gemm_tn, AMX_GRAD_WEIGHT_MAX_ROWS
-    else:
-        ops = _avx512(x_MK, dy_MN)
-        if ops is None:
-            return None
+    elif (ops := _avx512(x_MK, dy_MN)) is not None:
         kernel, max_rows = ops.avx512_gemm_tn, AVX512_GRAD_WEIGHT_MAX_ROWS
-    bounds = host_bounds(group_ends_E)
-    dw_EKN = host_cache.empty((len(bounds) - 1, k, n), dtype=x_MK.dtype)
-    kernel(_unit_rows(x_MK), _unit_rows(dy_MN), _ends(group_ends_E), max_rows, dw_EKN)
-    for e, start, end in _large_experts(bounds, max_rows):
-        torch.mm(x_MK[start:end].T, dy_MN[start:end], out=dw_EKN[e])
+    elif (ops := _experts_ops(x_MK, dy_MN, num_experts=num_experts)) is None:
+        return None
+    dw_EKN = host_cache.empty((num_experts, k, n), dtype=x_MK.dtype)
+    ends = _ends(group_ends_E)
+    if kernel is not None:
+        kernel(_unit_rows(x_MK), _unit_rows(dy_MN), ends, max_rows, dw_EKN)
+    ops.experts_mm_tn(x_MK, dy_MN, ends, max_rows, dw_EKN)
     return dw_EKN
 
 

@@ -46,9 +46,10 @@ __all__ = [
     "unavailable_reason",
 ]
 
-HEADERS = (Path(__file__).with_name("grouped_gemm_common.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("grouped_gemm_common.h", "simd_transpose.h"))
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("kernels.cpp", "grouped_gemm_amx.cpp", "grouped_gemm_avx512.cpp")
+    Path(__file__).with_name(name)
+    for name in ("kernels.cpp", "grouped_gemm_amx.cpp", "grouped_gemm_avx512.cpp", "experts_mm.cpp")
 )
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BUILD_TIMEOUT_S = 600

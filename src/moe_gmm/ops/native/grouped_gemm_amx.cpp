@@ -23,9 +23,9 @@
 //       which few rows leave idle anyway. 1.1-1.2x faster than chunked_product at 4-16 rows
 //       (E256, K1024 N512), slower from 32 rows.
 // Measured against a oneDNN loop (2 threads, experts of 64 rows, K = N = 1024): tn 1.5-2x and nn
-// 1.1x faster; past about 128 rows per expert oneDNN catches up, so the Python side hands larger
-// experts to it. nt takes every size (at 1024 rows, K1024 N512: 1.3x faster than its 16 x 16
-// transpose version, equal at K512 N1024).
+// 1.1x faster. With more rows per expert oneDNN, one GEMM per expert on a thread of its own
+// (experts_mm.cpp), catches up: the Python side gives each kernel experts up to a row limit of its
+// own (nn 32, nt 192, tn 128 rows; ops/backends/cpu.py) and the rest to experts_mm.
 //
 // Ops (namespace moe_gmm_native); group_ends[E] int64 on the host: expert e owns rows
 // [group_ends[e-1], group_ends[e]). Every operand is bfloat16 with a contiguous last dimension,
@@ -34,12 +34,13 @@
 //   amx_gemm_supported()                                       AMX built in and granted by the OS
 //   amx_gemm_nn(a[M,R], b[E,R,J], group_ends, max_rows, out[M,J])
 //                                                              out[rows_e] = a[rows_e] @ b[e]
-//   amx_gemm_nt(a[M,R], b[E,J,R], group_ends, out[M,J])        out[rows_e] = a[rows_e] @ b[e]^T
+//   amx_gemm_nt(a[M,R], b[E,J,R], group_ends, max_rows, out[M,J])
+//                                                              out[rows_e] = a[rows_e] @ b[e]^T
 //                                                              (a's row stride even)
 //   amx_gemm_tn(a[M,R], b[M,J], group_ends, max_rows, out[E,R,J])
 //                                                              out[e] = a[rows_e]^T @ b[rows_e]
-// (an empty expert's tn output is zero; in nn and tn, experts of more than max_rows rows are left
-// untouched for the caller). Accumulation is float32 in a fixed order and each output element is computed by one
+// (an empty expert's tn output is zero; experts of more than max_rows rows are left untouched for
+// the caller). Accumulation is float32 in a fixed order and each output element is computed by one
 // task, so results do not depend on the thread count; each sum is rounded to bfloat16 once (to
 // nearest even).
 
@@ -54,6 +55,7 @@
 #include <vector>
 
 #include "grouped_gemm_common.h"
+#include "simd_transpose.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define MOE_GMM_AMX 1
@@ -66,6 +68,10 @@ namespace {
 
 using moe_gmm_gemm::starts_of;
 using moe_gmm_gemm::Task;
+#ifdef MOE_GMM_AMX
+using moe_gmm_simd::interleave_rows;
+using moe_gmm_simd::transpose_16x16;
+#endif
 
 #ifdef MOE_GMM_AMX
 
@@ -110,49 +116,6 @@ struct TileScope {
   TileScope(const TileScope&) = delete;
   TileScope& operator=(const TileScope&) = delete;
 };
-
-// dst[j][0..1] = (r0[j], r1[j]) for j < width (a multiple of 32): two rows as VNNI pairs.
-inline void interleave_rows(const uint16_t* r0, const uint16_t* r1, uint16_t* dst, int64_t width) {
-  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
-  for (int64_t j = 0; j < width; j += 32) {
-    const __m512i a = _mm512_loadu_si512(r0 + j), b = _mm512_loadu_si512(r1 + j);
-    _mm512_storeu_si512(dst + 2 * j, _mm512_permutex2var_epi16(a, low, b));
-    _mm512_storeu_si512(dst + 2 * j + 32, _mm512_permutex2var_epi16(a, high, b));
-  }
-}
-
-// dst[c * ld_dst + r] = src[r * ld_src + c] for a 16 x 16 block of 32-bit values.
-inline void transpose_16x16(const uint32_t* src, int64_t ld_src, uint32_t* dst, int64_t ld_dst) {
-  __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * ld_src);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * ld_dst, r[i]);
-}
 
 // 32 float32 -> 32 bfloat16 (round to nearest even). Streaming stores skip reading the
 // destination's lines first: tn's output (a weight gradient) is written once and is the largest
@@ -514,7 +477,8 @@ void amx_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
 #endif
 }
 
-void amx_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, at::Tensor& out) {
+void amx_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
+                 at::Tensor& out) {
   const int64_t depth = b.size(2), width = b.size(1);
   const auto starts = check_product("amx_gemm_nt", a, b, group_ends, out, depth, width);
   TORCH_CHECK(a.stride(0) % 2 == 0, "amx_gemm_nt: a's row stride must be even");
@@ -524,7 +488,7 @@ void amx_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
   std::vector<Task> tasks;
   std::vector<double> cost;
-  panel_tasks(starts, width, false, INT64_MAX, tasks, cost);
+  panel_tasks(starts, width, false, max_rows, tasks, cost);
   const int64_t call = next_call();
   run_tasks(tasks, cost, [&](const Task& task) {
     thread_local std::vector<uint32_t> a_t;
@@ -599,7 +563,7 @@ void amx_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
 TORCH_LIBRARY_FRAGMENT(moe_gmm_native, m) {
   m.def("amx_gemm_supported() -> bool", amx_gemm_supported);
   m.def("amx_gemm_nn(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
-  m.def("amx_gemm_nt(Tensor a, Tensor b, Tensor group_ends, Tensor(a!) out) -> ()");
+  m.def("amx_gemm_nt(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
   m.def("amx_gemm_tn(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
 }
 
