@@ -10,6 +10,14 @@
 // The weight gradient a^T @ b is given oneDNN with a^T as a contiguous matrix: with the
 // transposed view it ran 1.9x slower (1024 rows, K = N = 1024, one thread: 2.52 against 1.36 ms),
 // and transposing into a per-thread buffer costs a few percent of that.
+// oneDNN (the 16-bit types) compiles and keeps a kernel for every GEMM shape, about 0.5 MiB each:
+// one GEMM per expert at its own row count held 46 MiB more at E64 with 40-90 rows per expert
+// (bf16 layer, 1.34x its memory budget against 1.16x), and a new routing would bring new shapes,
+// and new compiles, every step. So a 16-bit expert of fewer than kExactRows rows runs on its rows
+// rounded up to a multiple of 32, the extra rows computed in per-thread scratch and dropped (or
+// zero, where they are summed over): at most 16 shapes per weight shape and pass. Larger experts
+// keep their row count: copying their rows through scratch cost 15-20% at E8 with 1024 rows each,
+// and there are few of them per step.
 //
 // Ops (namespace moe_gmm_native); group_ends[E] int64 on the host: expert e owns rows
 // [group_ends[e-1], group_ends[e]). Operands share one dtype and live on the CPU; b may have any
@@ -19,8 +27,10 @@
 //   experts_mm_tn(a[M,R], b[M,J], group_ends, min_rows, out[E,R,J]) out[e] = a[rows_e]^T @ b[rows_e]
 //                                                                   (min_rows < 0: an empty
 //                                                                   expert's out[e] is zero)
-// Experts are handed out longest first, each to the thread with the least work so far. Each GEMM
-// runs on one thread, so results do not depend on the thread count.
+// Experts are handed out longest first, each to the thread with the least work so far; with one
+// expert (or fewer experts than threads) a GEMM may use the library's own threads. oneDNN's
+// 16-bit GEMMs come out the same at any thread count; MKL's float32 ones split reductions of
+// more than a few hundred rows between threads, as torch.mm's do.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -81,6 +91,22 @@ void for_each_expert(const std::vector<int64_t>& starts, int64_t min_rows, bool 
   });
 }
 
+// Rows of the GEMM that computes an expert of `rows` rows (see the top of the file).
+constexpr int64_t kRowQuantum = 32;
+constexpr int64_t kExactRows = 512;
+int64_t gemm_rows(int64_t rows, bool sixteen_bit) {
+  if (!sixteen_bit || rows >= kExactRows) return rows;
+  return (rows + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
+}
+
+// A per-thread scratch matrix of at least rows x cols, reused across calls (grown when needed).
+// A tensor's storage: 64-byte aligned (a std::vector's 16-byte alignment made oneDNN 2x slower).
+at::Tensor scratch(at::Tensor& buffer, int64_t rows, int64_t cols, const at::TensorOptions& options) {
+  if (!buffer.defined() || buffer.numel() < rows * cols || buffer.scalar_type() != options.dtype())
+    buffer = at::empty({rows * cols}, options);
+  return buffer.narrow(0, 0, rows * cols).view({rows, cols});
+}
+
 void check_cpu_operands(const char* op, std::initializer_list<const at::Tensor*> operands) {
   const at::Tensor& first = **operands.begin();
   for (const at::Tensor* t : operands)
@@ -95,10 +121,27 @@ void experts_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& grou
                   b.size(1) == a.size(1) && out.size(0) == a.size(0) && out.size(1) == b.size(2),
               "experts_mm: shapes do not match");
   const auto starts = starts_of(group_ends, a.size(0));
+  const bool sixteen_bit = a.element_size() == 2;
   for_each_expert(starts, min_rows, false, [&](int64_t e) {
-    const int64_t m0 = starts[e], rows = starts[e + 1] - m0;
+    const int64_t m0 = starts[e], rows = starts[e + 1] - m0, padded = gemm_rows(rows, sixteen_bit);
     at::Tensor o = out.narrow(0, m0, rows);
-    at::mm_out(o, a.narrow(0, m0, rows), b.select(0, e));
+    if (padded == rows) {
+      at::mm_out(o, a.narrow(0, m0, rows), b.select(0, e));
+      return;
+    }
+    // The padding rows' products are dropped: what they read does not matter, so a's rows are
+    // read in place when the next experts' rows are there to pad with.
+    thread_local at::Tensor a_buffer, out_buffer;
+    at::Tensor a_e;
+    if (m0 + padded <= a.size(0)) {
+      a_e = a.narrow(0, m0, padded);
+    } else {
+      a_e = scratch(a_buffer, padded, a.size(1), a.options());
+      a_e.narrow(0, 0, rows).copy_(a.narrow(0, m0, rows));
+    }
+    at::Tensor o_e = scratch(out_buffer, padded, out.size(1), out.options());
+    at::mm_out(o_e, a_e, b.select(0, e));
+    o.copy_(o_e.narrow(0, 0, rows));
   });
 }
 
@@ -122,17 +165,24 @@ void experts_mm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& g
       at::mm_out(o, a_e.t(), b.narrow(0, m0, rows));
       return;
     }
-    // a^T into a per-thread buffer; a tensor's storage, 64-byte aligned (a std::vector's 16-byte
-    // alignment made oneDNN's product 2x slower)
-    thread_local at::Tensor a_t;
-    const int64_t ld = rows + (rows % 2);  // an even stride keeps the transpose on its vector path
-    if (!a_t.defined() || a_t.numel() < a.size(1) * ld || a_t.scalar_type() != a.scalar_type())
-      a_t = at::empty({a.size(1) * ld}, a.options());
+    // a^T into a per-thread buffer, padded with zero columns to the GEMM's rows: the padding's
+    // products are summed, so both operands' padding is zero (0 x NaN from stale memory is NaN).
+    // The stride is even, which keeps the transpose on its vector path; past an odd count oneDNN
+    // read the stride's pad column, so that is zero too.
+    thread_local at::Tensor a_t_buffer, b_buffer;
+    const int64_t padded = gemm_rows(rows, true), ld = padded + padded % 2;
+    at::Tensor a_t = scratch(a_t_buffer, a.size(1), ld, a.options());
     moe_gmm_simd::transpose_16bit(static_cast<const uint16_t*>(a_e.const_data_ptr()), a.stride(0), rows, a.size(1),
                                   static_cast<uint16_t*>(a_t.data_ptr()), ld);
-    if (ld > rows) a_t.as_strided({a.size(1)}, {ld}, rows).zero_();  // oneDNN read the pad (as 0 x NaN)
-    const at::Tensor a_e_t = a_t.as_strided({a.size(1), rows}, {ld, 1});
-    at::mm_out(o, a_e_t, b.narrow(0, m0, rows));
+    if (ld > rows) a_t.narrow(1, rows, ld - rows).zero_();
+    at::Tensor b_e = b.narrow(0, m0, rows);
+    if (padded > rows) {
+      at::Tensor b_pad = scratch(b_buffer, padded, b.size(1), b.options());
+      b_pad.narrow(0, 0, rows).copy_(b_e);
+      b_pad.narrow(0, rows, padded - rows).zero_();
+      b_e = b_pad;
+    }
+    at::mm_out(o, a_t.narrow(1, 0, padded), b_e);
   });
 }
 
