@@ -20,8 +20,9 @@
 //   nn for experts of at most 16 rows: no packing at all. The weight's rows go straight into B
 //       tiles, read as pairs of adjacent columns, and each product runs twice, against the input
 //       spread into the pairs' first and second places (spread_product): twice the tile arithmetic,
-//       which few rows leave idle anyway. 1.1-1.2x faster than chunked_product at 4-16 rows
-//       (E256, K1024 N512), slower from 32 rows.
+//       which few rows leave idle anyway. The weight is read in bands of 16 full rows with the
+//       next band prefetched. 1.1-1.2x faster than chunked_product at 4-16 rows (E256, K1024 N512)
+//       before the bands (1.3-1.45x since), slower from 32 rows.
 // Measured against a oneDNN loop (2 threads, experts of 64 rows, K = N = 1024): tn 1.5-2x and nn
 // 1.1x faster. With more rows per expert oneDNN, one GEMM per expert on a thread of its own
 // (experts_mm.cpp), catches up: the Python side gives each kernel experts up to a row limit of its
@@ -320,54 +321,77 @@ inline void store_interleaved(const float* even, const float* odd, uint16_t* dst
   _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
 }
 
-// nn for one expert and the output columns [begin, end): out = a @ w with w's rows loaded straight
-// into B tiles, unpacked. A B tile row is then 16 pairs of adjacent *columns* of one weight row, so
-// each product runs twice, against a's values spread into the pairs' first places (the even
-// columns) and into their second (the odd ones): twice the tile arithmetic, no packing of the
-// weight. Up to 16 rows, two 32-column blocks per pass over the reduction; up to 32, one.
-void spread_product(const uint16_t* even, const uint16_t* odd, int64_t ld, int64_t rows, const uint16_t* w, int64_t ldw, int64_t begin,
-                    int64_t end, int64_t depth, uint16_t* out, int64_t ldo) {
-  alignas(64) float c[4][kTileRows * kTileRows];
-  for (int64_t mg = 0; mg < rows; mg += kBlock) {
-    const int64_t blocks = rows - mg > kTileRows ? 2 : 1;  // 16-row blocks of a in this group
-    const int64_t step = blocks == 1 ? 2 * kBlock : kBlock;
-    for (int64_t j = begin; j < end; j += step) {
-      const bool wide = blocks == 1 && j + kBlock < end;  // a second column block in this pass
-      zero_block();
-      for (int64_t k = 0; k < depth; k += kTileRows) {
-        const int64_t a0 = mg * ld + 2 * k;
-        _tile_loadd(6, w + k * ldw + j, ldw * 2);
-        if (wide) _tile_loadd(7, w + k * ldw + j + kBlock, ldw * 2);
-        _tile_loadd(4, even + a0, ld * 2);
-        _tile_loadd(5, odd + a0, ld * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 5, 6);
-        if (wide) {
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_dpbf16ps(3, 5, 7);
-        } else if (blocks == 2) {
-          const int64_t a1 = a0 + kTileRows * ld;
-          _tile_loadd(4, even + a1, ld * 2);
-          _tile_loadd(5, odd + a1, ld * 2);
-          _tile_dpbf16ps(2, 4, 6);
-          _tile_dpbf16ps(3, 5, 6);
-        }
+// Requests `lines` 64-byte lines of each of 16 rows, ldw bfloat16 values apart, into L1.
+inline void prefetch_band(const uint16_t* rows, int64_t ldw, int lines) {
+  for (int r = 0; r < kTileRows; ++r)
+    for (int l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(rows + r * ldw) + 64 * l, _MM_HINT_T0);
+}
+
+// nn for one expert of at most 16 rows and the output columns [begin, end): out = a @ w with w's
+// rows loaded straight into B tiles, unpacked. A B tile row is then 16 pairs of adjacent *columns*
+// of one weight row, so each product runs twice, against a's values spread into the pairs' first
+// places (the even columns) and into their second (the odd ones): twice the tile arithmetic, which
+// few rows leave idle, and no packing of the weight.
+// The weight is read band by band: 16 rows across the task's whole width, each row front to back,
+// while the next band is requested (software prefetch, 16 rows ahead); the sums of every 32-column
+// block stay in L1 between bands. Reading 128-byte column strips down all the rows instead, with or
+// without prefetches, streamed 13-17 GB/s against 19-30 (E256 with 16 rows each, K1024 N1024:
+// 40.7 against 28.4 ms; 4 rows, K1024 N512: 64.3 against 48.8).
+void spread_product(const uint16_t* even, const uint16_t* odd, int64_t ld, int64_t rows, const uint16_t* w, int64_t ldw,
+                    int64_t begin, int64_t end, int64_t depth, uint16_t* out, int64_t ldo) {
+  constexpr int64_t kTile = kTileRows * kTileRows;  // floats in one 16 x 16 tile
+  thread_local std::vector<float> storage;
+  const int64_t blocks = (end - begin) / kBlock;
+  storage.resize(blocks * 2 * kTile + 16);
+  float* acc = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;  // 64-byte aligned
+  for (int64_t k = 0; k < depth; k += kTileRows) {
+    _tile_loadd(4, even + 2 * k, ld * 2);
+    _tile_loadd(5, odd + 2 * k, ld * 2);
+    const uint16_t* band = w + k * ldw + begin;
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+      float* c = acc + b * 2 * kTile;
+      if (k == 0) {
+        zero_block();
+      } else {
+        _tile_loadd(0, c, 64);
+        _tile_loadd(1, c + kTile, 64);
+        _tile_loadd(2, c + 2 * kTile, 64);
+        _tile_loadd(3, c + 3 * kTile, 64);
       }
-      const int pairs = wide || blocks == 2 ? 2 : 1;
-      _tile_stored(0, c[0], kTileRows * 4);
-      _tile_stored(1, c[1], kTileRows * 4);
-      if (pairs == 2) {
-        _tile_stored(2, c[2], kTileRows * 4);
-        _tile_stored(3, c[3], kTileRows * 4);
+      _tile_loadd(6, band + b * kBlock, ldw * 2);
+      _tile_loadd(7, band + b * kBlock + kBlock, ldw * 2);
+      if (k + kTileRows < depth) prefetch_band(band + kTileRows * ldw + b * kBlock, ldw, 2);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+      _tile_stored(0, c, 64);
+      _tile_stored(1, c + kTile, 64);
+      _tile_stored(2, c + 2 * kTile, 64);
+      _tile_stored(3, c + 3 * kTile, 64);
+    }
+    if (b < blocks) {
+      float* c = acc + b * 2 * kTile;
+      if (k == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+      } else {
+        _tile_loadd(0, c, 64);
+        _tile_loadd(1, c + kTile, 64);
       }
-      for (int q = 0; q < pairs; ++q) {
-        const int64_t m = mg + (blocks == 2 ? q * kTileRows : 0), col = j + (wide ? q * kBlock : 0);
-        const int64_t real = std::min<int64_t>(kTileRows, rows - m);
-        for (int64_t i = 0; i < real; ++i)
-          store_interleaved(c[2 * q] + i * kTileRows, c[2 * q + 1] + i * kTileRows, out + (m + i) * ldo + col);
-      }
+      _tile_loadd(6, band + b * kBlock, ldw * 2);
+      if (k + kTileRows < depth) prefetch_band(band + kTileRows * ldw + b * kBlock, ldw, 1);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_stored(0, c, 64);
+      _tile_stored(1, c + kTile, 64);
     }
   }
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t i = 0; i < rows; ++i)
+      store_interleaved(acc + b * 2 * kTile + i * kTileRows, acc + (b * 2 + 1) * kTile + i * kTileRows,
+                        out + i * ldo + begin + b * kBlock);
 }
 
 // A number for each call of an op, so per-thread state can tell calls apart.
