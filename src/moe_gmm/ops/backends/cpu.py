@@ -147,7 +147,8 @@ AVX512_GRAD_WEIGHT_MAX_ROWS = 128
 # The float32 forward of an [E, K, N] weight for experts of few rows (AVX-512): it streams each
 # weight once. Against MKL's loop (2 threads, ms MKL/kernel): E256 4 rows K1024 N512 45.4/33.5,
 # 16 rows 69.9/59.8; K256 N1024 26.0/15.5 and 39.8/31.4; E128 32 rows K = N = 1024 76.1/113.0.
-# Limits 8, 12 and 16 ran the same on the results set.
+# Limits 8, 12 and 16 ran the same on the results set; with the kernel passing over each weight band
+# once per 4 output rows, so did 16-48.
 AVX512_FORWARD_MAX_ROWS = 16
 
 

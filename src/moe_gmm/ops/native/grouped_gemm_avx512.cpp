@@ -175,10 +175,36 @@ void avx512_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
 }
 
 
+// out[g][j] += sum_q x[g][q] * band[q][j] for G output rows (x's rows lda apart, kb <= 4 of them
+// used) and j < cols: each band vector is loaded once for the G rows. With `next`, the 4 rows
+// below the band (ldb floats apart) are prefetched as it goes.
+template <int G>
+inline void accumulate_band(const float* x, int64_t lda, int64_t kb, const std::array<const float*, 4>& band,
+                            const float* next, int64_t ldb, float* out, int64_t ldo, int64_t cols) {
+  __m512 xv[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int q = 0; q < 4; ++q) xv[g][q] = _mm512_set1_ps(q < kb ? x[g * lda + q] : 0.f);
+  for (int64_t j = 0; j < cols; j += kLanes) {
+    if (next != nullptr)
+      for (int q = 0; q < 4; ++q) _mm_prefetch(reinterpret_cast<const char*>(next + q * ldb + j), _MM_HINT_T0);
+    const __mmask16 m = tail_mask(cols - j);
+    __m512 wv[4];
+    for (int q = 0; q < 4; ++q) wv[q] = _mm512_maskz_loadu_ps(m, band[q] + j);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_maskz_loadu_ps(m, out + g * ldo + j);
+      for (int q = 0; q < 4; ++q) acc = _mm512_fmadd_ps(xv[g][q], wv[q], acc);
+      _mm512_mask_storeu_ps(out + g * ldo + j, m, acc);
+    }
+  }
+}
+
 // out[rows_e, :] = a[rows_e] @ b[e] for experts of 1..max_rows rows (others untouched), b[E, R, J]
 // with J contiguous. For the few rows per expert of many-expert layers the product is bound by
-// reading b once: each task streams 4 rows of its expert's weight at a time, front to back (the
-// hardware prefetcher follows them), and accumulates into its output rows, which stay in L1.
+// reading b once: each task streams bands of 4 rows of its expert's weight, front to back, with
+// the next band prefetched, and accumulates into its output rows, which stay in L1, 4 output rows
+// per pass over a band (each band vector loaded once for the 4). One output row per pass and no
+// prefetch ran 1.2-1.45x slower (E256, K1024 N512: 16 rows 52 against 39.5 ms, 4 rows 28.6
+// against 21.8; the 16-row case was bound by the loads, 5 per 4 multiply-adds).
 void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
                              at::Tensor& out) {
   TORCH_CHECK(avx512_gemm_supported(), "avx512_gemm_nn_few_rows: this build has no AVX-512");
@@ -189,6 +215,7 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
   const std::vector<int64_t> starts = moe_gmm_gemm::starts_of(group_ends, a.size(0));
 #ifdef MOE_GMM_AVX512
   constexpr int64_t kStreamColumns = 512, kStreamRows = 4;
+  constexpr int kGroup = 4;  // output rows per pass over a band
   const float* ap = a.const_data_ptr<float>();
   const float* bp = b.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
@@ -212,26 +239,17 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
     for (int64_t k = 0; k < depth; k += kStreamRows) {
       const int64_t kb = std::min(kStreamRows, depth - k);
       const float* w0 = w + k * ldb;
-      const float* w1 = kb > 1 ? w0 + ldb : w0;
-      const float* w2 = kb > 2 ? w0 + 2 * ldb : w0;
-      const float* w3 = kb > 3 ? w0 + 3 * ldb : w0;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* x = ap + (m0 + r) * lda + k;
-        const __m512 x0 = _mm512_set1_ps(x[0]);
-        const __m512 x1 = _mm512_set1_ps(kb > 1 ? x[1] : 0.f);
-        const __m512 x2 = _mm512_set1_ps(kb > 2 ? x[2] : 0.f);
-        const __m512 x3 = _mm512_set1_ps(kb > 3 ? x[3] : 0.f);
-        float* orow = o + r * ldo;
-        for (int64_t j = 0; j < cols; j += kLanes) {
-          const __mmask16 m = tail_mask(cols - j);
-          __m512 acc = _mm512_maskz_loadu_ps(m, orow + j);
-          acc = _mm512_fmadd_ps(x0, _mm512_maskz_loadu_ps(m, w0 + j), acc);
-          acc = _mm512_fmadd_ps(x1, _mm512_maskz_loadu_ps(m, w1 + j), acc);
-          acc = _mm512_fmadd_ps(x2, _mm512_maskz_loadu_ps(m, w2 + j), acc);
-          acc = _mm512_fmadd_ps(x3, _mm512_maskz_loadu_ps(m, w3 + j), acc);
-          _mm512_mask_storeu_ps(orow + j, m, acc);
-        }
-      }
+      const std::array<const float*, kStreamRows> band = {w0, kb > 1 ? w0 + ldb : w0, kb > 2 ? w0 + 2 * ldb : w0,
+                                                          kb > 3 ? w0 + 3 * ldb : w0};
+      // the next band, requested while this one is read (as the weight is read once, nothing else
+      // would bring it in ahead of the loads)
+      const float* next = k + kStreamRows < depth ? w0 + kStreamRows * ldb : nullptr;
+      const float* x = ap + m0 * lda + k;
+      int64_t r = 0;
+      for (; r + kGroup <= rows; r += kGroup)
+        accumulate_band<kGroup>(x + r * lda, lda, kb, band, r == 0 ? next : nullptr, ldb, o + r * ldo, ldo, cols);
+      for (; r < rows; ++r)
+        accumulate_band<1>(x + r * lda, lda, kb, band, r == 0 ? next : nullptr, ldb, o + r * ldo, ldo, cols);
     }
   });
 #endif
