@@ -442,33 +442,58 @@ def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512):
     assert all(torch.equal(r, results[0]) for r in results[1:])
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     counts=st.lists(st.integers(0, 40), min_size=1, max_size=9),
     k=st.integers(1, 70),
     n=st.integers(1, 600),
     max_rows=st.sampled_from([1, 16, 64]),
+    transposed_weight=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_avx512_few_rows_forward_vs_float64_and_eager(avx512, counts, k, n, max_rows, seed):
-    # Depths not a multiple of 4 (the kernel's row step), widths past one 512-column task and
-    # masked tails; experts above max_rows by MKL.
+def test_avx512_few_rows_products_vs_float64_and_eager(avx512, counts, k, n, max_rows, transposed_weight, seed):
+    # Both kernels on both passes: nn is the forward of [E, K, N] and the grad_input of [E, N, K],
+    # nt the other two. Depths not a multiple of 4 (nn's row step) or 16 (nt's vector), widths past
+    # one task, odd weight-row counts (nt's pairs), expert row counts past 8 (nt's group) and past
+    # max_rows (one MKL GEMM each).
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu, "AVX512_FORWARD_MAX_ROWS", max_rows)
-        _check(counts, k, n, torch.float32, seed=seed)
+        patch.setattr(cpu, "AVX512_NN_MAX_ROWS", max_rows)
+        patch.setattr(cpu, "AVX512_NT_MAX_ROWS", max_rows)
+        _check(counts, k, n, torch.float32, transposed_weight=transposed_weight, seed=seed)
 
 
-def test_avx512_few_rows_forward_writes_every_row_under_poison(avx512, poisoned_memory):
+@pytest.mark.parametrize("transposed_weight", [False, True])
+def test_avx512_few_rows_products_write_every_row_under_poison(avx512, poisoned_memory, transposed_weight):
     counts = [0, 7, 0, 3, 33, 0, 16]
-    x, w, _ = gmm_inputs(counts, 50, 96)
+    x, w, _ = gmm_inputs(counts, 50, 97, transposed_weight=transposed_weight)
+    dy = torch.randn(x.shape[0], 97)
     ends = torch.tensor(counts).cumsum(0)
-    assert cpu._few_rows_forward(x, w, ends) is not None
+    assert cpu._few_rows_product(x, w, ends) is not None  # forward: nn for [E, K, N], nt for [E, N, K]
+    assert cpu._few_rows_product(dy, w.transpose(1, 2), ends) is not None  # grad_input: the other
+    dx_ref, _ = reference_grouped_matmul_grads(x, w, counts, dy)
     for _ in range(2):
         assert_rel_close(
             get_backend("cpu").forward(x, w, ends), reference_grouped_matmul(x, w, counts), 1e-5, "forward"
         )
-    transposed = w.transpose(1, 2).contiguous().transpose(1, 2)
-    assert cpu._few_rows_forward(x, transposed, ends) is None  # [E, N, K] storage: MKL's loop
+        assert_rel_close(get_backend("cpu").grad_input(dy, w, ends), dx_ref, 1e-5, "grad_input")
+    strided = w[:, ::2, ::2]  # neither rows nor columns contiguous: MKL's GEMMs
+    assert cpu._few_rows_product(x[:, : strided.shape[1]], strided, ends) is None
+
+
+def test_avx512_nt_few_rows_does_not_depend_on_thread_count(avx512):
+    counts = [40, 0, 3, 9, 17, 1]
+    x, w, _ = gmm_inputs(counts, 70, 300)
+    dy = torch.randn(x.shape[0], 300)
+    ends = torch.tensor(counts).cumsum(0)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(get_backend("cpu").grad_input(dy, w, ends))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
 
 
 # --- one library GEMM per expert, whole experts per thread (experts_mm, experts_mm_tn) ----------

@@ -26,8 +26,9 @@ So each call picks a strategy (group sizes are read on the host: they live on th
 
 - float32 on a CPU with AVX-512 (``grouped_gemm_avx512.cpp``): grad_weight for experts of up to
   ``AVX512_GRAD_WEIGHT_MAX_ROWS`` rows (MKL ran 160-170 GFLOP/s on 64-row experts, the kernel
-  1.3-1.6x faster), and the forward of an ``[E, K, N]`` weight for experts of up to
-  ``AVX512_FORWARD_MAX_ROWS`` rows, streaming each weight once.
+  1.3-1.6x faster), and forward and grad_input for experts of up to ``AVX512_NN_MAX_ROWS`` /
+  ``AVX512_NT_MAX_ROWS`` rows, streaming each weight once (``nn`` where the multiplied matrix has
+  contiguous rows: the forward of an ``[E, K, N]`` weight; ``nt`` where it has contiguous columns).
 
 - ``experts`` (``experts_mm.cpp``): every expert no kernel above takes is one oneDNN / MKL GEMM on
   one thread, whole experts shared between the threads, all in one native call. A loop of
@@ -144,12 +145,17 @@ AMX_GRAD_WEIGHT_MAX_ROWS = 128
 # same at limits 64-128, except 64 1.15-1.25x slower at E64-E128 with 64-row experts.
 USE_AVX512 = True
 AVX512_GRAD_WEIGHT_MAX_ROWS = 128
-# The float32 forward of an [E, K, N] weight for experts of few rows (AVX-512): it streams each
-# weight once. Against MKL's loop (2 threads, ms MKL/kernel): E256 4 rows K1024 N512 45.4/33.5,
-# 16 rows 69.9/59.8; K256 N1024 26.0/15.5 and 39.8/31.4; E128 32 rows K = N = 1024 76.1/113.0.
-# Limits 8, 12 and 16 ran the same on the results set; with the kernel passing over each weight band
-# once per 4 output rows, so did 16-48.
-AVX512_FORWARD_MAX_ROWS = 16
+# The float32 forward of an [E, K, N] weight for experts of few rows (AVX-512, nn; also the
+# grad_input of an [E, N, K] one): it streams each weight once. Against MKL's loop (2 threads, ms
+# MKL/kernel): E256 4 rows K1024 N512 45.4/33.5, 16 rows 69.9/59.8; K256 N1024 26.0/15.5 and
+# 39.8/31.4; E128 32 rows K = N = 1024 76.1/113.0. Limits 8, 12 and 16 ran the same on the results
+# set; with the kernel passing over each weight band once per 4 output rows, so did 16-48.
+AVX512_NN_MAX_ROWS = 16
+# The float32 grad_input of an [E, K, N] weight (and forward of an [E, N, K] one) for experts of few
+# rows (AVX-512, nt). Against one MKL GEMM per expert on a thread (ms MKL/kernel, E256): 4 rows
+# K1024 N512 32.5/26.5, 16 rows 52.6/42.9; K256 N1024 12.0/9.6 and 19.9/20.1; E128 8 rows
+# K = N = 1024 43.9/21.9; E64 32 rows 25.5/34.5.
+AVX512_NT_MAX_ROWS = 16
 
 
 def plan(
@@ -402,18 +408,27 @@ def _amx_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Te
     return out
 
 
-def _few_rows_forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor | None:
-    """float32 forward by the AVX-512 streaming kernel for experts of few rows, the others by one
-    GEMM each; None when it does not apply (no such expert, or not an ``[E, K, N]`` weight)."""
-    if x_MK.shape[0] == 0 or w_EKN.stride(2) != 1:
+def _few_rows_product(a_MR: torch.Tensor, w_ERJ: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor | None:
+    """float32 ``a[rows_e] @ w[e]`` by the AVX-512 streaming kernels for experts of few rows (``nn``
+    where ``w``'s rows are contiguous, ``nt`` where its columns are), the others one GEMM each on a
+    thread; None when it does not apply (no such expert, another layout, no AVX-512)."""
+    if a_MR.shape[0] == 0:
         return None
-    ops = _avx512(x_MK, w_EKN)
-    if ops is None or not _any_small(host_bounds(group_ends_E), AVX512_FORWARD_MAX_ROWS):
+    ops = _avx512(a_MR, w_ERJ)
+    if ops is None:
         return None
-    out = host_cache.empty((x_MK.shape[0], w_EKN.shape[2]), dtype=x_MK.dtype)
+    if w_ERJ.stride(2) == 1:
+        kernel, b, max_rows = ops.avx512_gemm_nn_few_rows, w_ERJ, AVX512_NN_MAX_ROWS
+    elif w_ERJ.stride(1) == 1:
+        kernel, b, max_rows = ops.avx512_gemm_nt_few_rows, w_ERJ.transpose(1, 2), AVX512_NT_MAX_ROWS
+    else:
+        return None
+    if not _any_small(host_bounds(group_ends_E), max_rows):
+        return None
+    out = host_cache.empty((a_MR.shape[0], w_ERJ.shape[2]), dtype=a_MR.dtype)
     ends = _ends(group_ends_E)
-    ops.avx512_gemm_nn_few_rows(_unit_rows(x_MK), w_EKN, ends, AVX512_FORWARD_MAX_ROWS, out)
-    ops.experts_mm(x_MK, w_EKN, ends, AVX512_FORWARD_MAX_ROWS, out)
+    kernel(_unit_rows(a_MR), b, ends, max_rows, out)
+    ops.experts_mm(a_MR, w_ERJ, ends, max_rows, out)
     return out
 
 
@@ -431,7 +446,7 @@ def _experts_product(a_MR: torch.Tensor, w_ERJ: torch.Tensor, group_ends_E: torc
 def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
     out = _amx_product(x_MK, w_EKN, group_ends_E, transpose_w=False)
     if out is None:
-        out = _few_rows_forward(x_MK, w_EKN, group_ends_E)
+        out = _few_rows_product(x_MK, w_EKN, group_ends_E)
     if out is None:
         out = _experts_product(x_MK, w_EKN, group_ends_E)
     if out is not None:
@@ -444,6 +459,8 @@ def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor)
 
 def grad_input(dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
     out = _amx_product(dy_MN, w_EKN, group_ends_E, transpose_w=True)
+    if out is None:
+        out = _few_rows_product(dy_MN, w_EKN.transpose(1, 2), group_ends_E)
     if out is None:
         out = _experts_product(dy_MN, w_EKN.transpose(1, 2), group_ends_E)
     if out is not None:

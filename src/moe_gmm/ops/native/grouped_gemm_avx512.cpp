@@ -17,6 +17,9 @@
 //   avx512_gemm_nn_few_rows(a[M,R], b[E,R,J], group_ends, max_rows, out[M,J])
 //       out[rows_e] = a[rows_e] @ b[e] for experts of 1..max_rows rows, others untouched (see the
 //       function: it streams the weight once; past 16-32 rows MKL is faster).
+//   avx512_gemm_nt_few_rows(a[M,R], b[E,J,R], group_ends, max_rows, out[M,J])
+//       out[rows_e] = a[rows_e] @ b[e]^T for experts of 1..max_rows rows, others untouched: the
+//       grad_input of an [E, K, N] weight (b is the weight as stored), streaming it once.
 // Each output element is one float32 sum over the expert's rows in order, computed by one task, so
 // results do not depend on the thread count.
 
@@ -108,6 +111,39 @@ struct StreamingStores {
   StreamingStores& operator=(const StreamingStores&) = delete;
   ~StreamingStores() { _mm_sfence(); }
 };
+
+// out[m, j] = <a row m, b row j> for G rows of a (lda apart) and the two rows j, j + 1 of b (ldb
+// apart; `pair` false: row j alone), over depth values; each b vector is loaded once for the G rows.
+// With `next`, the two b rows after the pair are prefetched as it goes.
+template <int G>
+inline void dot_rows(const float* a, int64_t lda, const float* b, int64_t ldb, bool pair, const float* next,
+                     int64_t depth, float* out, int64_t ldo) {
+  __m512 acc[G][2];
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+  const float* b1 = pair ? b + ldb : b;
+  for (int64_t d = 0; d < depth; d += kLanes) {
+    if (next != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + d), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + ldb + d), _MM_HINT_T0);
+    }
+    const __mmask16 m = tail_mask(depth - d);
+    const __m512 w0 = _mm512_maskz_loadu_ps(m, b + d), w1 = _mm512_maskz_loadu_ps(m, b1 + d);
+    for (int g = 0; g < G; ++g) {
+      const __m512 x = _mm512_maskz_loadu_ps(m, a + g * lda + d);
+      acc[g][0] = _mm512_fmadd_ps(x, w0, acc[g][0]);
+      acc[g][1] = _mm512_fmadd_ps(x, w1, acc[g][1]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    out[g * ldo] = _mm512_reduce_add_ps(acc[g][0]);
+    if (pair) out[g * ldo + 1] = _mm512_reduce_add_ps(acc[g][1]);
+  }
+}
+
+using DotFn = void (*)(const float*, int64_t, const float*, int64_t, bool, const float*, int64_t, float*, int64_t);
+constexpr int kDotRows = 8;  // rows of a per pass: 8 x 2 accumulators, 2 weight vectors, 1 of a
+constexpr std::array<DotFn, kDotRows> kDots = {&dot_rows<1>, &dot_rows<2>, &dot_rows<3>, &dot_rows<4>,
+                                               &dot_rows<5>, &dot_rows<6>, &dot_rows<7>, &dot_rows<8>};
 
 using moe_gmm_gemm::run_tasks;
 
@@ -255,15 +291,64 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
 #endif
 }
 
+// out[rows_e, :] = a[rows_e] @ b[e]^T for experts of 1..max_rows rows (others untouched), b[E, J, R]
+// with R contiguous: the grad_input of an [E, K, N] weight (b is the weight as stored) and the
+// forward of an [E, N, K] one. Bound by reading b once, like the few-rows forward: each task takes
+// a panel of b's rows two at a time, front to back with the next two prefetched, and dots them
+// with the expert's rows, 8 at a time (each b vector loaded once for the 8; the expert's rows stay
+// in L1 or L2).
+void avx512_gemm_nt_few_rows(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
+                             at::Tensor& out) {
+  TORCH_CHECK(avx512_gemm_supported(), "avx512_gemm_nt_few_rows: this build has no AVX-512");
+  check_operand(a, "a", 2), check_operand(b, "b", 3), check_operand(out, "out", 2);
+  const int64_t depth = b.size(2), width = b.size(1);
+  TORCH_CHECK(a.size(1) == depth && out.size(0) == a.size(0) && out.size(1) == width && b.size(0) == group_ends.numel(),
+              "avx512_gemm_nt_few_rows: shapes do not match");
+  const std::vector<int64_t> starts = moe_gmm_gemm::starts_of(group_ends, a.size(0));
+#ifdef MOE_GMM_AVX512
+  constexpr int64_t kPanelRows = 128;
+  const float* ap = a.const_data_ptr<float>();
+  const float* bp = b.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
+  std::vector<moe_gmm_gemm::Task> tasks;
+  std::vector<double> cost;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(starts.size()); ++e) {
+    const int64_t rows = starts[e + 1] - starts[e];
+    if (rows == 0 || rows > max_rows) continue;
+    for (int64_t j = 0; j < width; j += kPanelRows) {
+      const int64_t end = std::min(width, j + kPanelRows);
+      tasks.push_back({e, j, end});
+      cost.push_back(double(rows + 8) * double(end - j));
+    }
+  }
+  run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const moe_gmm_gemm::Task& task) {
+    const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
+    const float* w = bp + task.expert * lde;
+    for (int64_t j = task.begin; j < task.end; j += 2) {
+      const bool pair = j + 1 < task.end;
+      const float* next = j + 3 < task.end ? w + (j + 2) * ldb : nullptr;
+      for (int64_t r = 0; r < rows; r += kDotRows) {
+        const int64_t g = std::min<int64_t>(kDotRows, rows - r);
+        kDots[g - 1](ap + (m0 + r) * lda, lda, w + j * ldb, ldb, pair, r == 0 ? next : nullptr, depth,
+                     op + (m0 + r) * ldo + j, ldo);
+      }
+    }
+  });
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(moe_gmm_native, m) {
   m.def("avx512_gemm_supported() -> bool", avx512_gemm_supported);
   m.def("avx512_gemm_tn(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
   m.def("avx512_gemm_nn_few_rows(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
+  m.def("avx512_gemm_nt_few_rows(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(moe_gmm_native, CPU, m) {
   m.impl("avx512_gemm_tn", avx512_gemm_tn);
   m.impl("avx512_gemm_nn_few_rows", avx512_gemm_nn_few_rows);
+  m.impl("avx512_gemm_nt_few_rows", avx512_gemm_nt_few_rows);
 }
