@@ -550,7 +550,7 @@ void amx_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
     const int64_t panel_rows = task.end - task.begin;
     uint16_t* o = op + task.expert * lde + task.begin * ldo;
     if (rows == 0) {
-      for (int64_t r = 0; r < panel_rows; ++r) std::memset(o + r * ldo, 0, width * 2);
+      for (int64_t r = 0; r < panel_rows; ++r) moe_gmm_gemm::zero_bytes(o + r * ldo, width * 2, aligned);
       return;
     }
     const int64_t depth = (rows + kBlock - 1) / kBlock * kBlock;  // the expert's rows, zero-padded

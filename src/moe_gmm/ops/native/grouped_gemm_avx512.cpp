@@ -192,7 +192,7 @@ void avx512_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
     float* o = op + task.expert * lde;
     if (rows == 0) {
-      for (int64_t r = task.begin; r < task.end; ++r) std::memset(o + r * ldo, 0, width * sizeof(float));
+      for (int64_t r = task.begin; r < task.end; ++r) moe_gmm_gemm::zero_bytes(o + r * ldo, width * sizeof(float), aligned);
       return;
     }
     for (int64_t r = task.begin; r < task.end; r += kRows) {
