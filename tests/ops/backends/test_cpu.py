@@ -566,6 +566,16 @@ def test_experts_mm_on_experts_past_the_row_quantum(experts_ops, dtype):
         assert_rel_close(dw[e], a[rows].double().T @ dy[rows].double(), rel, f"experts_mm_tn expert {e}")
 
 
+def test_experts_mm_padding_rows_are_zero_not_stale_memory(experts_ops, poisoned_memory):
+    # 100 rows run as 128 on per-thread scratch, grown here (so NaN-filled under poisoned memory):
+    # with a transposed b, oneDNN let a NaN in the row after the expert's last reach that row.
+    _, w, _, ends = _grouped_operands([100], 20, 3000, torch.bfloat16, seed=2)
+    dy = torch.randn(100, 3000).to(torch.bfloat16)
+    dx = torch.full((100, 20), float("nan"), dtype=torch.bfloat16)
+    experts_ops.experts_mm(dy, w.transpose(1, 2), ends, -1, dx)
+    assert_rel_close(dx, dy.double() @ w[0].double().T, tolerance_for(torch.bfloat16).rel, "experts_mm")
+
+
 def test_experts_mm_tn_reads_strided_rows(experts_ops):
     # A column slice of a wider matrix (row stride 101), bfloat16: the transpose reads it in place.
     counts = [37, 0, 64, 5]

@@ -129,16 +129,13 @@ void experts_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& grou
       at::mm_out(o, a.narrow(0, m0, rows), b.select(0, e));
       return;
     }
-    // The padding rows' products are dropped: what they read does not matter, so a's rows are
-    // read in place when the next experts' rows are there to pad with.
+    // The padding rows' products are dropped, but they are zero, not whatever memory held: with a
+    // transposed b, oneDNN's product of an expert's last row came out NaN when the row after it
+    // held NaN (bfloat16, 100 rows padded to 128, K = 50, N = 2).
     thread_local at::Tensor a_buffer, out_buffer;
-    at::Tensor a_e;
-    if (m0 + padded <= a.size(0)) {
-      a_e = a.narrow(0, m0, padded);
-    } else {
-      a_e = scratch(a_buffer, padded, a.size(1), a.options());
-      a_e.narrow(0, 0, rows).copy_(a.narrow(0, m0, rows));
-    }
+    at::Tensor a_e = scratch(a_buffer, padded, a.size(1), a.options());
+    a_e.narrow(0, 0, rows).copy_(a.narrow(0, m0, rows));
+    a_e.narrow(0, rows, padded - rows).zero_();
     at::Tensor o_e = scratch(out_buffer, padded, out.size(1), out.options());
     at::mm_out(o_e, a_e, b.select(0, e));
     o.copy_(o_e.narrow(0, 0, rows));
