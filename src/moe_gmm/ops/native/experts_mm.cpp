@@ -14,8 +14,8 @@
 // one GEMM per expert at its own row count held 46 MiB more at E64 with 40-90 rows per expert
 // (bf16 layer, 1.34x its memory budget against 1.16x), and a new routing would bring new shapes,
 // and new compiles, every step. So a 16-bit expert of fewer than kExactRows rows runs on its rows
-// rounded up to a multiple of 32, the extra rows computed in per-thread scratch and dropped (or
-// zero, where they are summed over): at most 16 shapes per weight shape and pass. Larger experts
+// rounded up to a multiple of 32, the extra rows zero rows of per-thread scratch (their products
+// dropped, or summed as zeros): at most 16 shapes per weight shape and pass. Larger experts
 // keep their row count: copying their rows through scratch cost 15-20% at E8 with 1024 rows each,
 // and there are few of them per step.
 //
