@@ -426,20 +426,24 @@ def test_avx512_grad_weight_writes_everything_under_poison(avx512, poisoned_memo
         assert bool((dw[[0, 2, 3, 5]] == 0).all())
 
 
-def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512):
-    counts = [40, 0, 3, 70, 17]
-    x, _, _ = gmm_inputs(counts, 96, 8)
-    dy = torch.randn(x.shape[0], 200)
-    ends = torch.tensor(counts).cumsum(0)
+def _same_at_every_thread_count(call) -> None:
     threads = torch.get_num_threads()
     try:
         results = []
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            results.append(get_backend("cpu").grad_weight(x, dy, ends))
+            results.append(call())
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512):
+    counts = [40, 0, 3, 70, 17]
+    x, _, _ = gmm_inputs(counts, 96, 8)
+    dy = torch.randn(x.shape[0], 200)
+    ends = torch.tensor(counts).cumsum(0)
+    _same_at_every_thread_count(lambda: get_backend("cpu").grad_weight(x, dy, ends))
 
 
 @settings(max_examples=25, deadline=None)
@@ -485,15 +489,7 @@ def test_avx512_nt_few_rows_does_not_depend_on_thread_count(avx512):
     x, w, _ = gmm_inputs(counts, 70, 300)
     dy = torch.randn(x.shape[0], 300)
     ends = torch.tensor(counts).cumsum(0)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            results.append(get_backend("cpu").grad_input(dy, w, ends))
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(r, results[0]) for r in results[1:])
+    _same_at_every_thread_count(lambda: get_backend("cpu").grad_input(dy, w, ends))
 
 
 # --- one library GEMM per expert, whole experts per thread (experts_mm, experts_mm_tn) ----------

@@ -147,6 +147,21 @@ constexpr std::array<DotFn, kDotRows> kDots = {&dot_rows<1>, &dot_rows<2>, &dot_
 
 using moe_gmm_gemm::run_tasks;
 
+// One task per (expert, range of `step` output columns or weight rows) for experts of 1..max_rows
+// rows; cost: the rows plus a constant for reading the range of the weight.
+void few_rows_tasks(const std::vector<int64_t>& starts, int64_t max_rows, int64_t width, int64_t step,
+                    std::vector<moe_gmm_gemm::Task>& tasks, std::vector<double>& cost) {
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(starts.size()); ++e) {
+    const int64_t rows = starts[e + 1] - starts[e];
+    if (rows == 0 || rows > max_rows) continue;
+    for (int64_t j = 0; j < width; j += step) {
+      const int64_t end = std::min(width, j + step);
+      tasks.push_back({e, j, end});
+      cost.push_back(double(rows + 8) * double(end - j));
+    }
+  }
+}
+
 #endif  // MOE_GMM_AVX512
 
 bool avx512_gemm_supported() {
@@ -160,6 +175,18 @@ bool avx512_gemm_supported() {
 void check_operand(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == dim && t.stride(dim - 1) == 1,
               name, ": expected a ", dim, "-d float32 CPU tensor with a contiguous last dimension");
+}
+
+// The few-rows products' operand checks: a[M, depth], b[E, ...], out[M, width]; returns the group
+// starts.
+std::vector<int64_t> check_few_rows(const char* op, const at::Tensor& a, const at::Tensor& b,
+                                    const at::Tensor& group_ends, const at::Tensor& out, int64_t depth,
+                                    int64_t width) {
+  TORCH_CHECK(avx512_gemm_supported(), op, ": this build has no AVX-512");
+  check_operand(a, "a", 2), check_operand(b, "b", 3), check_operand(out, "out", 2);
+  TORCH_CHECK(a.size(1) == depth && out.size(0) == a.size(0) && out.size(1) == width && b.size(0) == group_ends.numel(),
+              op, ": shapes do not match");
+  return moe_gmm_gemm::starts_of(group_ends, a.size(0));
 }
 
 void avx512_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
@@ -243,12 +270,8 @@ inline void accumulate_band(const float* x, int64_t lda, int64_t kb, const std::
 // against 21.8; the 16-row case was bound by the loads, 5 per 4 multiply-adds).
 void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
                              at::Tensor& out) {
-  TORCH_CHECK(avx512_gemm_supported(), "avx512_gemm_nn_few_rows: this build has no AVX-512");
-  check_operand(a, "a", 2), check_operand(b, "b", 3), check_operand(out, "out", 2);
   const int64_t depth = b.size(1), width = b.size(2);
-  TORCH_CHECK(a.size(1) == depth && out.size(0) == a.size(0) && out.size(1) == width && b.size(0) == group_ends.numel(),
-              "avx512_gemm_nn_few_rows: shapes do not match");
-  const std::vector<int64_t> starts = moe_gmm_gemm::starts_of(group_ends, a.size(0));
+  const std::vector<int64_t> starts = check_few_rows("avx512_gemm_nn_few_rows", a, b, group_ends, out, depth, width);
 #ifdef MOE_GMM_AVX512
   constexpr int64_t kStreamColumns = 512, kStreamRows = 4;
   constexpr int kGroup = 4;  // output rows per pass over a band
@@ -258,15 +281,7 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
   std::vector<moe_gmm_gemm::Task> tasks;
   std::vector<double> cost;
-  for (int64_t e = 0; e + 1 < static_cast<int64_t>(starts.size()); ++e) {
-    const int64_t rows = starts[e + 1] - starts[e];
-    if (rows == 0 || rows > max_rows) continue;
-    for (int64_t j = 0; j < width; j += kStreamColumns) {
-      const int64_t end = std::min(width, j + kStreamColumns);
-      tasks.push_back({e, j, end});
-      cost.push_back(double(rows + 8) * double(end - j));
-    }
-  }
+  few_rows_tasks(starts, max_rows, width, kStreamColumns, tasks, cost);
   run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const moe_gmm_gemm::Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0, cols = task.end - task.begin;
     const float* w = bp + task.expert * lde + task.begin;
@@ -299,12 +314,8 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
 // in L1 or L2).
 void avx512_gemm_nt_few_rows(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
                              at::Tensor& out) {
-  TORCH_CHECK(avx512_gemm_supported(), "avx512_gemm_nt_few_rows: this build has no AVX-512");
-  check_operand(a, "a", 2), check_operand(b, "b", 3), check_operand(out, "out", 2);
   const int64_t depth = b.size(2), width = b.size(1);
-  TORCH_CHECK(a.size(1) == depth && out.size(0) == a.size(0) && out.size(1) == width && b.size(0) == group_ends.numel(),
-              "avx512_gemm_nt_few_rows: shapes do not match");
-  const std::vector<int64_t> starts = moe_gmm_gemm::starts_of(group_ends, a.size(0));
+  const std::vector<int64_t> starts = check_few_rows("avx512_gemm_nt_few_rows", a, b, group_ends, out, depth, width);
 #ifdef MOE_GMM_AVX512
   constexpr int64_t kPanelRows = 128;
   const float* ap = a.const_data_ptr<float>();
@@ -313,15 +324,7 @@ void avx512_gemm_nt_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
   std::vector<moe_gmm_gemm::Task> tasks;
   std::vector<double> cost;
-  for (int64_t e = 0; e + 1 < static_cast<int64_t>(starts.size()); ++e) {
-    const int64_t rows = starts[e + 1] - starts[e];
-    if (rows == 0 || rows > max_rows) continue;
-    for (int64_t j = 0; j < width; j += kPanelRows) {
-      const int64_t end = std::min(width, j + kPanelRows);
-      tasks.push_back({e, j, end});
-      cost.push_back(double(rows + 8) * double(end - j));
-    }
-  }
+  few_rows_tasks(starts, max_rows, width, kPanelRows, tasks, cost);
   run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const moe_gmm_gemm::Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
     const float* w = bp + task.expert * lde;
