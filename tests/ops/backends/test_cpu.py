@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moe_gmm import grouped_matmul
@@ -254,22 +254,36 @@ def test_expert_runs_cover_every_expert_in_order(monkeypatch, num_experts, chunk
         assert len(set(sizes)) == 1, "E with a fitting divisor runs in one bmm shape"
 
 
-# --- the AMX path (bfloat16, widths that are multiples of 32) -------------------------------------
+# --- the native bfloat16 kernels (AMX, AVX-512 BF16; widths that are multiples of 32) ------------
+
+BF16_LIMITS = {
+    "amx": ("AMX_NN_MAX_ROWS", "AMX_NT_MAX_ROWS", "AMX_GRAD_WEIGHT_MAX_ROWS"),
+    "avx512_bf16": ("AVX512_BF16_NN_MAX_ROWS", "AVX512_BF16_NT_MAX_ROWS", "AVX512_BF16_GRAD_WEIGHT_MAX_ROWS"),
+}
 
 
-@pytest.fixture(scope="module")
-def amx():
-    if not cpu.amx_available():
-        pytest.skip("the AMX path needs an x86 CPU with AMX-BF16 and the native kernels built")
+@pytest.fixture(params=sorted(BF16_LIMITS))
+def bf16_family(request):
+    """Each family of bfloat16 kernels this CPU runs, made the one the backend picks."""
+    family = request.param
+    ops = native.ops()
+    if family == "amx" and not cpu.amx_available():
+        pytest.skip("the AMX kernels need an x86 CPU with AMX-BF16 and the native kernels built")
+    if family == "avx512_bf16" and (ops is None or not ops.avx512_bf16_gemm_supported()):
+        pytest.skip("the AVX-512 BF16 kernels need an x86 CPU with AVX512_BF16 and the native kernels built")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu, "USE_AMX", family == "amx")  # on a CPU with AMX, test the AVX-512 kernels too
+        yield family
 
 
-def _assert_takes_amx(counts, k, n, transposed_weight=False):
+def _assert_takes_bf16_kernels(family, counts, k, n, transposed_weight=False):
     x, w, _ = gmm_inputs(counts, k, n, torch.bfloat16, transposed_weight=transposed_weight)
     assert cpu._weight_layout(w) == ("ENK" if transposed_weight else "EKN")
-    assert cpu._amx(x, w, widths=(k, n)) is not None, "these inputs should take the AMX path"
+    kernels = cpu._bf16_kernels(x, w, widths=(k, n))
+    assert kernels is not None and kernels.family == family, f"these inputs should take the {family} kernels"
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     counts=st.lists(st.integers(0, 70), min_size=1, max_size=9),
     k=st.sampled_from([32, 64, 96, 288]),
@@ -277,41 +291,45 @@ def _assert_takes_amx(counts, k, n, transposed_weight=False):
     transposed_weight=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_amx_vs_float64_and_eager(amx, counts, k, n, transposed_weight, seed):
-    # Row counts on both sides of the 16-row tile and 32-row block; widths past one panel (256 wide
-    # for nt and tn, 512 for nn) and depths past one chunk of nn (256 rows).
-    _assert_takes_amx(counts, k, n, transposed_weight)
+def test_bf16_kernels_vs_float64_and_eager(bf16_family, counts, k, n, transposed_weight, seed):
+    # Row counts on both sides of AMX's 16-row tile and 32-row block and of the AVX-512 kernels'
+    # 4-row groups; widths past one panel (128-512 wide) and depths past one chunk or band.
+    _assert_takes_bf16_kernels(bf16_family, counts, k, n, transposed_weight)
     with pytest.MonkeyPatch.context() as patch:
-        for limit in AMX_LIMITS:  # the tile kernels at every row count
+        for limit in BF16_LIMITS[bf16_family]:  # the kernels at every row count
             patch.setattr(cpu, limit, 10**9)
         _check(counts, k, n, torch.bfloat16, transposed_weight=transposed_weight, seed=seed)
 
 
-AMX_LIMITS = ("AMX_NN_MAX_ROWS", "AMX_NT_MAX_ROWS", "AMX_GRAD_WEIGHT_MAX_ROWS")
-
-
-@pytest.mark.parametrize("limit", AMX_LIMITS)
+@pytest.mark.parametrize("limit", range(3), ids=["nn", "nt", "tn"])
 @pytest.mark.parametrize("transposed_weight", [False, True])  # nn is the forward of EKN, the grad_input of ENK
-def test_amx_kernels_hand_large_experts_to_library_gemms(amx, monkeypatch, limit, transposed_weight):
-    monkeypatch.setattr(cpu, limit, 8)
-    _assert_takes_amx([3, 20, 0, 9, 8, 40], 64, 32, transposed_weight)
+def test_bf16_kernels_hand_large_experts_to_library_gemms(bf16_family, monkeypatch, limit, transposed_weight):
+    monkeypatch.setattr(cpu, BF16_LIMITS[bf16_family][limit], 8)
+    _assert_takes_bf16_kernels(bf16_family, [3, 20, 0, 9, 8, 40], 64, 32, transposed_weight)
     _check([3, 20, 0, 9, 8, 40], 64, 32, torch.bfloat16, transposed_weight=transposed_weight)
-    monkeypatch.setattr(cpu, limit, 0)  # every expert large
+    monkeypatch.setattr(cpu, BF16_LIMITS[bf16_family][limit], 0)  # every expert large
     _check([20, 0, 9], 64, 32, torch.bfloat16, transposed_weight=transposed_weight)
 
 
-def test_amx_expanded_grad_output(amx):
+def test_bf16_kernels_take_experts_of_hundreds_of_rows(bf16_family, monkeypatch):
+    # the AVX-512 nn kernel keeps at most 256 rows' sums at a time and reads the panel again past that
+    for limit in BF16_LIMITS[bf16_family]:
+        monkeypatch.setattr(cpu, limit, 10**9)
+    _check([300, 2, 530], 64, 96, torch.bfloat16, transposed_weight=False)
+
+
+def test_bf16_kernels_expanded_grad_output(bf16_family):
     _check([3, 0, 40], 32, 64, torch.bfloat16, expanded_grad=True)
 
 
-def test_amx_many_mostly_empty_experts(amx):
+def test_bf16_kernels_many_mostly_empty_experts(bf16_family):
     counts = [0] * 300
     for e, c in ((3, 5), (100, 1), (299, 40), (256, 17)):
         counts[e] = c
     _check(counts, 32, 64, torch.bfloat16)
 
 
-def test_amx_writes_everything_under_poison(amx, poisoned_memory):
+def test_bf16_kernels_write_everything_under_poison(bf16_family, poisoned_memory):
     counts = [0, 7, 0, 0, 33, 0, 2]
     x, w, _ = gmm_inputs(counts, 64, 96, torch.bfloat16)
     dy = torch.randn(x.shape[0], 96).to(torch.bfloat16)
@@ -327,7 +345,7 @@ def test_amx_writes_everything_under_poison(amx, poisoned_memory):
         assert bool((dw[[0, 2, 3, 5]] == 0).all())
 
 
-def test_amx_results_do_not_depend_on_thread_count(amx):
+def test_bf16_kernels_results_do_not_depend_on_thread_count(bf16_family):
     counts = [40, 0, 3, 70, 17]
     x, w, _ = gmm_inputs(counts, 96, 320, torch.bfloat16)
     dy = torch.randn(x.shape[0], 320).to(torch.bfloat16)
@@ -346,11 +364,11 @@ def test_amx_results_do_not_depend_on_thread_count(amx):
             assert torch.equal(got, first)
 
 
-def test_amx_nt_takes_rows_with_an_odd_stride(amx):
+def test_bf16_kernels_nt_takes_rows_with_an_odd_stride(bf16_family):
     counts = [5, 0, 21]
     x, w, _ = gmm_inputs(counts, 64, 96, torch.bfloat16)
     dy_wide = torch.randn(x.shape[0], 97).to(torch.bfloat16)
-    dy = dy_wide[:, :96]  # row stride 97: its rows cannot be read as bfloat16 pairs in place
+    dy = dy_wide[:, :96]  # row stride 97: AMX cannot read its rows as bfloat16 pairs in place
     ends = torch.tensor(counts).cumsum(0)
     dx_ref, _ = reference_grouped_matmul_grads(x, w, counts, dy)
     got = get_backend("cpu").grad_input(dy, w, ends)
@@ -358,31 +376,38 @@ def test_amx_nt_takes_rows_with_an_odd_stride(amx):
     assert torch.equal(got, get_backend("cpu").grad_input(dy.contiguous(), w, ends))
 
 
-def test_amx_falls_back_for_unaligned_widths(amx):
+def test_bf16_kernels_fall_back_for_unaligned_widths(bf16_family):
     x, w, _ = gmm_inputs([3, 4], 48, 32, torch.bfloat16)
-    assert cpu._amx(x, w, widths=(48, 32)) is None
+    assert cpu._bf16_kernels(x, w, widths=(48, 32)) is None
     _check([3, 4], 48, 32, torch.bfloat16)
 
 
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda ops, a, b, e, o: ops.amx_gemm_nn(a[:, :16], b[:, :16], e, 64, o), "multiple of 32"),
-        (lambda ops, a, b, e, o: ops.amx_gemm_nn(a, b, e - 1, 64, o), "group_ends"),
-        (lambda ops, a, b, e, o: ops.amx_gemm_nn(a.float(), b, e, 64, o), "bfloat16"),
-        (lambda ops, a, b, e, o: ops.amx_gemm_nt(a, b, e, 64, o[:, :32]), "shapes do not match"),
-        (lambda ops, a, b, e, o: ops.amx_gemm_nt(torch.zeros(6, 65, dtype=a.dtype)[:, :64], b, e, 64, o), "even"),
+        (lambda op, a, b, e, o: op("nn")(a[:, :16], b[:, :16], e, 64, o), "multiple of 32"),
+        (lambda op, a, b, e, o: op("nn")(a, b, e - 1, 64, o), "group_ends"),
+        (lambda op, a, b, e, o: op("nn")(a.float(), b, e, 64, o), "bfloat16"),
+        (lambda op, a, b, e, o: op("nt")(a, b, e, 64, o[:, :32]), "shapes do not match"),
+        (lambda op, a, b, e, o: op("tn")(a, a[:5], e, 64, b), "shapes do not match"),
     ],
 )
-def test_amx_ops_reject_bad_operands(amx, call, message):
-    from moe_gmm.ops import native
-
+def test_bf16_kernel_ops_reject_bad_operands(bf16_family, call, message):
     a = torch.zeros(6, 64, dtype=torch.bfloat16)
     b = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
     ends = torch.tensor([2, 6])
     out = torch.zeros(6, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=message):
-        call(native.ops(), a, b, ends, out)
+        call(cpu._Bf16Kernels(bf16_family, native.ops()).op, a, b, ends, out)
+
+
+def test_amx_nt_rejects_rows_with_an_odd_stride():
+    if not cpu.amx_available():
+        pytest.skip("the AMX kernels need an x86 CPU with AMX-BF16 and the native kernels built")
+    a = torch.zeros(6, 65, dtype=torch.bfloat16)[:, :64]
+    b, out = torch.zeros(2, 64, 64, dtype=torch.bfloat16), torch.zeros(6, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="even"):
+        native.ops().amx_gemm_nt(a, b, torch.tensor([2, 6]), 64, out)
 
 
 # --- the AVX-512 float32 grad_weight ------------------------------------------------------------

@@ -24,6 +24,12 @@ So each call picks a strategy (group sizes are read on the host: they live on th
   weight and the grad_input of an ``[E, N, K]`` one, ``AMX_NT_MAX_ROWS`` for the other two,
   ``AMX_GRAD_WEIGHT_MAX_ROWS``), above which oneDNN was faster.
 
+- bfloat16 on a CPU with AVX-512 BF16 but no AMX (AMD Zen 4/5, for one), same widths:
+  ``grouped_gemm_avx512_bf16.cpp``, the same three products with the same contracts on
+  ``vdpbf16ps``. oneDNN ran the few-row products of many-expert layers at a fraction of the memory
+  bandwidth there (E256 with 4 rows each, K1024 N512: 20 ms against 7.2 for the kernel). Row limits
+  ``AVX512_BF16_NN_MAX_ROWS``, ``AVX512_BF16_NT_MAX_ROWS``, ``AVX512_BF16_GRAD_WEIGHT_MAX_ROWS``.
+
 - float32 on a CPU with AVX-512 (``grouped_gemm_avx512.cpp``): grad_weight for experts of up to
   ``AVX512_GRAD_WEIGHT_MAX_ROWS`` rows (MKL ran 160-170 GFLOP/s on 64-row experts, the kernel
   1.3-1.6x faster), and forward and grad_input for experts of up to ``AVX512_NN_MAX_ROWS`` /
@@ -122,7 +128,7 @@ USE_EXPERTS_MM = True
 EXPERTS_MM_MIN_EXPERTS_FP32 = 16
 # The AMX path (bf16). Set False to use the strategies below for bf16 too.
 USE_AMX = True
-AMX_ALIGN = 32
+BF16_ALIGN = 32  # the native bfloat16 kernels take reduced and output widths of multiples of this
 # Row limits of the AMX kernels; a larger expert is one GEMM of its own (USE_EXPERTS_MM). Chosen
 # by timing the results set with each limit in one process, taking turns (benchmarks/RESULTS.md),
 # after a sweep of uniform experts (2 threads, M = 4096; ms AMX/GEMMs, K x N = 1024 x 1024,
@@ -139,6 +145,18 @@ AMX_NT_MAX_ROWS = 192
 # ms); 128 was the fastest limit on 3 of the 4 results cases with 64-row experts (E128 k2 T4096
 # gate_up 21.5 ms, against 24.0 at 96 and 28.8 at 64).
 AMX_GRAD_WEIGHT_MAX_ROWS = 128
+# The bfloat16 kernels on AVX-512 BF16 where AMX is missing (or USE_AMX is False). Row limits from
+# a sweep of uniform experts against one oneDNN GEMM per expert on a thread (AMD EPYC Zen 5,
+# 2 threads; ms oneDNN/kernel):
+# nn: K1024 N512 4 rows 21.2/7.2, 16 rows 21.4/7.8; K = N = 1024 32 rows 21.3/13.3, 64 rows
+# 29.1/21.2; 128 rows (E32) 11.6/9.7.
+# nt: 4 rows 17.7/7.4, 16 rows 18.3/9.8; 32 rows 17.6/14.8; 64 rows 25.6/25.2 (even); 128 rows
+# 10.2/11.1.
+# tn: 4 rows 13.7/6.2, 16 rows 14.2/7.0; 32 rows 13.2/12.2; 64 rows 21.0/22.1.
+USE_AVX512_BF16 = True
+AVX512_BF16_NN_MAX_ROWS = 128
+AVX512_BF16_NT_MAX_ROWS = 64
+AVX512_BF16_GRAD_WEIGHT_MAX_ROWS = 48
 # The float32 grad_weight kernel (AVX-512). Against MKL's loop (2 threads, ms MKL/kernel):
 # E256 4 rows K1024 N512 31.0/23.7; E128 64 rows K = N = 1024 115.5/82.1; E64 128 rows 77.9/71.2;
 # E32 256 rows 58.3/77.1. Against one GEMM per expert on a thread each the results set ran the
@@ -321,19 +339,51 @@ _cpu_support: dict[str, bool] = {}  # what the CPU and build support, asked once
 
 
 def _amx_granted(ops) -> bool:
-    if "amx" not in _cpu_support:
-        _cpu_support["amx"] = bool(ops.amx_gemm_supported())
-    return _cpu_support["amx"]
+    return _supported(ops, "amx")
 
 
-def _amx(*tensors: torch.Tensor, widths: tuple[int, ...]):
-    """The native ops when the AMX path takes these bfloat16 operands and ``widths``, else None."""
-    if not USE_AMX or any(t.dtype != torch.bfloat16 for t in tensors) or any(w % AMX_ALIGN for w in widths):
+@dataclass(frozen=True)
+class _Bf16Kernels:
+    """A family of native bfloat16 kernels (``amx`` or ``avx512_bf16``): its ops and row limits."""
+
+    family: str
+    ops: object
+
+    def op(self, product: str):
+        return getattr(self.ops, f"{self.family}_gemm_{product}")
+
+    def max_rows(self, product: str) -> int:
+        # read at call time: the limits are module settings (tests and sweeps change them)
+        limits = {
+            "amx": {"nn": AMX_NN_MAX_ROWS, "nt": AMX_NT_MAX_ROWS, "tn": AMX_GRAD_WEIGHT_MAX_ROWS},
+            "avx512_bf16": {
+                "nn": AVX512_BF16_NN_MAX_ROWS,
+                "nt": AVX512_BF16_NT_MAX_ROWS,
+                "tn": AVX512_BF16_GRAD_WEIGHT_MAX_ROWS,
+            },
+        }
+        return limits[self.family][product]
+
+
+def _bf16_kernels(*tensors: torch.Tensor, widths: tuple[int, ...]) -> _Bf16Kernels | None:
+    """The native bfloat16 kernels that take these operands and ``widths`` (AMX where granted, else
+    AVX-512 BF16), or None."""
+    if any(t.dtype != torch.bfloat16 for t in tensors) or any(w % BF16_ALIGN for w in widths):
         return None
     ops = native.ops(*tensors)
-    if ops is None or not _amx_granted(ops):
+    if ops is None:
         return None
-    return ops
+    if USE_AMX and _amx_granted(ops):
+        return _Bf16Kernels("amx", ops)
+    if USE_AVX512_BF16 and _supported(ops, "avx512_bf16"):
+        return _Bf16Kernels("avx512_bf16", ops)
+    return None
+
+
+def _supported(ops, family: str) -> bool:
+    if family not in _cpu_support:
+        _cpu_support[family] = bool(getattr(ops, f"{family}_gemm_supported")())
+    return _cpu_support[family]
 
 
 def _avx512(*tensors: torch.Tensor):
@@ -341,11 +391,7 @@ def _avx512(*tensors: torch.Tensor):
     if not USE_AVX512 or any(t.dtype != torch.float32 for t in tensors):
         return None
     ops = native.ops(*tensors)
-    if ops is None:
-        return None
-    if "avx512" not in _cpu_support:
-        _cpu_support["avx512"] = bool(ops.avx512_gemm_supported())
-    return ops if _cpu_support["avx512"] else None
+    return ops if ops is not None and _supported(ops, "avx512") else None
 
 
 def _weight_layout(w_EKN: torch.Tensor) -> str | None:
@@ -380,31 +426,28 @@ def _experts_ops(*tensors: torch.Tensor, num_experts: int):
     return native.ops(*tensors)
 
 
-def _amx_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor, *, transpose_w: bool):
-    """``a[rows_e] @ w[e]`` (or ``@ w[e]^T``) on the AMX path, its large experts one GEMM each;
-    None when it does not apply."""
+def _bf16_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor, *, transpose_w: bool):
+    """``a[rows_e] @ w[e]`` (or ``@ w[e]^T``) by the native bfloat16 kernels, their large experts
+    one GEMM each; None when they do not apply."""
     k, n = w_EKN.shape[1], w_EKN.shape[2]
     if a_MR.shape[0] == 0:
         return None
     layout = _weight_layout(w_EKN)
-    ops = _amx(a_MR, w_EKN, widths=(k, n)) if layout is not None else None
-    if ops is None:
+    kernels = _bf16_kernels(a_MR, w_EKN, widths=(k, n)) if layout is not None else None
+    if kernels is None:
         return None
     # EKN forward and ENK grad_input multiply by rows of the weight as stored (nn); the other two
     # by the weight's transpose (nt). Either way the stored weight is read, never copied.
-    nn = (layout == "EKN") != transpose_w
+    product = "nn" if (layout == "EKN") != transpose_w else "nt"
     out = host_cache.empty((a_MR.shape[0], k if transpose_w else n), dtype=a_MR.dtype)
     b = w_EKN if layout == "EKN" else w_EKN.transpose(1, 2)
     ends = _ends(group_ends_E)
-    if nn:
-        max_rows = AMX_NN_MAX_ROWS
-        ops.amx_gemm_nn(_unit_rows(a_MR), b, ends, max_rows, out)
-    else:
-        max_rows = AMX_NT_MAX_ROWS
-        a = _unit_rows(a_MR)
-        # nt reads a's rows as bfloat16 pairs: an odd row stride (a column slice) is copied first
-        ops.amx_gemm_nt(a if a.stride(0) % 2 == 0 else a.contiguous(), b, ends, max_rows, out)
-    ops.experts_mm(a_MR, w_EKN.transpose(1, 2) if transpose_w else w_EKN, ends, max_rows, out)
+    max_rows = kernels.max_rows(product)
+    a = _unit_rows(a_MR)
+    if product == "nt" and kernels.family == "amx" and a.stride(0) % 2:
+        a = a.contiguous()  # AMX's nt reads a's rows as bfloat16 pairs: an odd row stride is copied first
+    kernels.op(product)(a, b, ends, max_rows, out)
+    kernels.ops.experts_mm(a_MR, w_EKN.transpose(1, 2) if transpose_w else w_EKN, ends, max_rows, out)
     return out
 
 
@@ -444,7 +487,7 @@ def _experts_product(a_MR: torch.Tensor, w_ERJ: torch.Tensor, group_ends_E: torc
 
 
 def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
-    out = _amx_product(x_MK, w_EKN, group_ends_E, transpose_w=False)
+    out = _bf16_product(x_MK, w_EKN, group_ends_E, transpose_w=False)
     if out is None:
         out = _few_rows_product(x_MK, w_EKN, group_ends_E)
     if out is None:
@@ -458,7 +501,7 @@ def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor)
 
 
 def grad_input(dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
-    out = _amx_product(dy_MN, w_EKN, group_ends_E, transpose_w=True)
+    out = _bf16_product(dy_MN, w_EKN, group_ends_E, transpose_w=True)
     if out is None:
         out = _few_rows_product(dy_MN, w_EKN.transpose(1, 2), group_ends_E)
     if out is None:
@@ -472,16 +515,16 @@ def grad_input(dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Ten
 
 
 def _native_grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor | None:
-    """grad_weight by the AMX (bfloat16) or AVX-512 (float32) kernel for experts up to its row
-    limit and one GEMM per expert for the rest, or all by one GEMM per expert; None when the
-    native ops do not take these operands."""
+    """grad_weight by the native bfloat16 (AMX, AVX-512 BF16) or float32 (AVX-512) kernel for
+    experts up to its row limit and one GEMM per expert for the rest, or all by one GEMM per
+    expert; None when the native ops do not take these operands."""
     k, n = x_MK.shape[1], dy_MN.shape[1]
     if x_MK.shape[0] == 0:  # no rows (strides of an empty tensor are arbitrary): the plan's path
         return None
     num_experts = group_ends_E.shape[0]
-    ops, kernel, max_rows = _amx(x_MK, dy_MN, widths=(k, n)), None, -1
-    if ops is not None:
-        kernel, max_rows = ops.amx_gemm_tn, AMX_GRAD_WEIGHT_MAX_ROWS
+    ops, kernel, max_rows = None, None, -1
+    if (kernels := _bf16_kernels(x_MK, dy_MN, widths=(k, n))) is not None:
+        ops, kernel, max_rows = kernels.ops, kernels.op("tn"), kernels.max_rows("tn")
     elif (ops := _avx512(x_MK, dy_MN)) is not None:
         kernel, max_rows = ops.avx512_gemm_tn, AVX512_GRAD_WEIGHT_MAX_ROWS
     elif (ops := _experts_ops(x_MK, dy_MN, num_experts=num_experts)) is None:
@@ -523,6 +566,7 @@ BACKEND = GmmBackend(
     forward=forward,
     grad_input=grad_input,
     grad_weight=grad_weight,
-    notes="bf16 with AMX: native tile kernels; fp32 with AVX-512: native grad_weight and few-row forward; "
+    notes="bf16 with AMX or AVX-512 BF16: native kernels; fp32 with AVX-512: native grad_weight and few-row "
+    "forward and grad_input; "
     "else small even groups: padded bmm over runs of experts, large or uneven groups: a GEMM loop",
 )

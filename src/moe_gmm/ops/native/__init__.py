@@ -49,7 +49,13 @@ __all__ = [
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("grouped_gemm_common.h", "simd_transpose.h"))
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("kernels.cpp", "grouped_gemm_amx.cpp", "grouped_gemm_avx512.cpp", "experts_mm.cpp")
+    for name in (
+        "kernels.cpp",
+        "grouped_gemm_amx.cpp",
+        "grouped_gemm_avx512.cpp",
+        "grouped_gemm_avx512_bf16.cpp",
+        "experts_mm.cpp",
+    )
 )
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BUILD_TIMEOUT_S = 600

@@ -67,6 +67,8 @@
 
 namespace {
 
+using moe_gmm_gemm::next_call;
+using moe_gmm_gemm::PreparedExpert;
 using moe_gmm_gemm::starts_of;
 using moe_gmm_gemm::Task;
 #ifdef MOE_GMM_AMX
@@ -393,24 +395,6 @@ void spread_product(const uint16_t* even, const uint16_t* odd, int64_t ld, int64
       store_interleaved(acc + b * 2 * kTile + i * kTileRows, acc + (b * 2 + 1) * kTile + i * kTileRows,
                         out + i * ldo + begin + b * kBlock);
 }
-
-// A number for each call of an op, so per-thread state can tell calls apart.
-int64_t next_call() {
-  static std::atomic<int64_t> calls{0};
-  return ++calls;
-}
-
-// Per thread, the expert whose input rows it last prepared (packed or spread) and in which call:
-// an expert's panels are consecutive tasks, mostly on one thread, so its rows are prepared once.
-struct PreparedExpert {
-  int64_t call = 0, expert = -1;
-  // whether (call, expert) needs preparing; remembers it as prepared
-  bool stale(int64_t now, int64_t e) {
-    if (call == now && expert == e) return false;
-    call = now, expert = e;
-    return true;
-  }
-};
 
 // One task per (expert, panel) for experts of at most max_rows rows; an empty expert has none
 // unless its output must be zeroed (tn).

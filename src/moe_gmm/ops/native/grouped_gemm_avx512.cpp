@@ -104,14 +104,6 @@ constexpr auto block_table(std::integer_sequence<int, I...>) {
 constexpr auto kBlocks = block_table<false>(std::make_integer_sequence<int, kRows>{});
 constexpr auto kStreamingBlocks = block_table<true>(std::make_integer_sequence<int, kRows>{});
 
-// Streaming stores are made visible before a thread's share of the work ends.
-struct StreamingStores {
-  StreamingStores() = default;
-  StreamingStores(const StreamingStores&) = delete;
-  StreamingStores& operator=(const StreamingStores&) = delete;
-  ~StreamingStores() { _mm_sfence(); }
-};
-
 // out[m, j] = <a row m, b row j> for G rows of a (lda apart) and the two rows j, j + 1 of b (ldb
 // apart; `pair` false: row j alone), over depth values; each b vector is loaded once for the G rows.
 // With `next`, the two b rows after the pair are prefetched as it goes.
@@ -215,7 +207,7 @@ void avx512_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
       cost.push_back(double(rows + 8) * double(end - r));  // + writing the panel
     }
   }
-  run_tasks<StreamingStores>(tasks, cost, [&](const moe_gmm_gemm::Task& task) {
+  run_tasks<moe_gmm_gemm::StreamingStores>(tasks, cost, [&](const moe_gmm_gemm::Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
     float* o = op + task.expert * lde;
     if (rows == 0) {

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -68,6 +69,34 @@ inline std::vector<int64_t> cut_by_cost(const std::vector<double>& cost, int64_t
 }
 
 struct NoScope {};
+
+// A number for each call of an op, so per-thread state can tell calls apart.
+inline int64_t next_call() {
+  static std::atomic<int64_t> calls{0};
+  return ++calls;
+}
+
+// Per thread, the expert whose operands it last prepared (packed or spread) and in which call:
+// an expert's panels are consecutive tasks, mostly on one thread, so they are prepared once.
+struct PreparedExpert {
+  int64_t call = 0, expert = -1;
+  // whether (call, expert) needs preparing; remembers it as prepared
+  bool stale(int64_t now, int64_t e) {
+    if (call == now && expert == e) return false;
+    call = now, expert = e;
+    return true;
+  }
+};
+
+#if defined(__AVX512F__)
+// A run_tasks scope: streaming stores are made visible before a thread's share of the work ends.
+struct StreamingStores {
+  StreamingStores() = default;
+  StreamingStores(const StreamingStores&) = delete;
+  StreamingStores& operator=(const StreamingStores&) = delete;
+  ~StreamingStores() { _mm_sfence(); }
+};
+#endif
 
 // Runs the tasks in the cut_by_cost ranges, one per thread (of torch's intra-op threads); each
 // thread constructs a Scope before its range and destroys it after (per-thread set-up such as the

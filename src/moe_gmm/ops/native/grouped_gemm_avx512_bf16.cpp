@@ -1,0 +1,426 @@
+// bfloat16 grouped GEMM on AVX-512 BF16 (vdpbf16ps), for CPUs without AMX: the three products of
+// the grouped matmul, each expert's rows multiplied by its own weight, every expert in one
+// parallel region.
+//
+// Why: without AMX, oneDNN runs a bfloat16 GEMM of the few rows an expert of a many-expert layer
+// gets at a fraction of the memory bandwidth (AMD EPYC, 2 threads, E256 with 4 rows each, K1024
+// N512: 20 ms where reading the weights once takes 3.1), and a loop pays a kernel setup and a
+// thread fork/join per expert. Here the threads split (expert, panel) tasks by cost once per call
+// and each task reads its part of the expert's weight once.
+//   vdpbf16ps multiplies pairs: float32 lane i += x[2i] * y[2i] + x[2i + 1] * y[2i + 1].
+//   nn: a band of 16 weight rows is loaded once per 32 output columns and its row pairs are
+//       interleaved in registers (unpacklo/hi: each float32 lane then holds one column's pair, in
+//       an order undone when the sums are rounded to bfloat16); every input row's pair of values
+//       is broadcast against them. The float32 sums of the task's rows stay in L1/L2 between
+//       bands.
+//   nt: the weight's rows already hold the reduced dimension contiguously: each output value is a
+//       dot product of an input row and a weight row, 8 input rows by 2 weight rows at a time.
+//   tn: the expert's rows of b are interleaved in pairs once (the expert's few rows fit in L2)
+//       and every 6 x 64 block of the weight gradient is one pass over them, a's pairs broadcast;
+//       the gradient, the largest stream of the call, is written with streaming stores.
+//
+// Ops (namespace moe_gmm_native), with the contracts of the AMX ops (grouped_gemm_amx.cpp):
+// group_ends[E] int64 on the host (expert e owns rows [group_ends[e-1], group_ends[e])), every
+// operand bfloat16 with a contiguous last dimension, every reduced or output width a multiple of
+// 32; outputs caller-provided.
+//   avx512_bf16_gemm_supported()                               built with AVX-512 BF16
+//   avx512_bf16_gemm_nn(a[M,R], b[E,R,J], group_ends, max_rows, out[M,J])
+//                                                              out[rows_e] = a[rows_e] @ b[e]
+//   avx512_bf16_gemm_nt(a[M,R], b[E,J,R], group_ends, max_rows, out[M,J])
+//                                                              out[rows_e] = a[rows_e] @ b[e]^T
+//   avx512_bf16_gemm_tn(a[M,R], b[M,J], group_ends, max_rows, out[E,R,J])
+//                                                              out[e] = a[rows_e]^T @ b[rows_e]
+// Experts of more than max_rows rows are left untouched for the caller; an empty expert's tn
+// output is zero. Accumulation is float32 in a fixed order and each output element is computed by
+// one task, so results do not depend on the thread count; each sum is rounded to bfloat16 once
+// (to nearest even).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "grouped_gemm_common.h"
+#include "simd_transpose.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define MOE_GMM_AVX512_BF16 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using moe_gmm_gemm::Task;
+
+#ifdef MOE_GMM_AVX512_BF16
+
+constexpr int kBandPairs = 8;         // nn: 16 weight rows per band, 16 registers of pairs
+constexpr int kGroupRows = 4;         // nn: input rows per pass over a band (8 accumulators)
+constexpr int64_t kNNColumns = 512;   // nn: output columns per task
+constexpr int64_t kScratchFloats = 8192;  // nn: the float32 sums of a task's rows, 32 KiB
+constexpr int kDotRows = 4;           // nt: input rows per pass (4 x 4 accumulators)
+constexpr int64_t kNTPanel = 128;     // nt: weight rows (output columns) per task
+constexpr int kOuterRows = 6;         // tn: 6 x 4 accumulators
+constexpr int64_t kTNPanel = 48;      // tn: output rows per task
+
+inline __m512bh as_pairs(__m512i v) { return (__m512bh)v; }
+
+// acc + the pairs of y times the pair of bfloat16 values at x, broadcast to every lane
+inline __m512 dot_pair(__m512 acc, __m512i y, const uint16_t* x) {
+  int32_t pair;
+  std::memcpy(&pair, x, sizeof(pair));
+  return _mm512_dpbf16_ps(acc, as_pairs(y), as_pairs(_mm512_set1_epi32(pair)));
+}
+
+template <bool Streaming>
+inline void store_row_bits(uint16_t* dst, __m512i v) {
+  if constexpr (Streaming) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), v);
+  } else {
+    _mm512_storeu_si512(dst, v);
+  }
+}
+
+// 32 float32 in column order (c0: columns 0-15, c1: 16-31) -> 32 bfloat16, rounded to nearest even.
+inline __m512i round_to_bf16(__m512 c0, __m512 c1) { return (__m512i)_mm512_cvtne2ps_pbh(c1, c0); }
+
+// ---- nn ----------------------------------------------------------------------------------------
+// Interleaving rows r and r + 1 with unpacklo/hi_epi16 pairs up their 16-bit values within each
+// 128-bit lane: float32 lane 4q + i of the low half holds column 8q + i, of the high half 8q + 4 + i
+// (i < 4). The sums keep that order ([low 16][high 16] per 32 columns) until they are rounded.
+inline __m512i columns_low(__m512 low, __m512 high) {
+  return _mm512_castps_si512(_mm512_permutex2var_ps(
+      low, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), high));
+}
+inline __m512i columns_high(__m512 low, __m512 high) {
+  return _mm512_castps_si512(_mm512_permutex2var_ps(
+      low, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), high));
+}
+
+// sums[g][0:32] (+)= the band's 16 rows (as pairs in w) times x[g][0:16], for G input rows.
+template <int G>
+inline void band_rows(const __m512i (&w)[2 * kBandPairs], const uint16_t* x, int64_t lda, float* sums, int64_t ld,
+                      bool first) {
+  __m512 low[G], high[G];
+  for (int g = 0; g < G; ++g) {
+    low[g] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + g * ld);
+    high[g] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + g * ld + 16);
+  }
+  for (int p = 0; p < kBandPairs; ++p)
+    for (int g = 0; g < G; ++g) {
+      low[g] = dot_pair(low[g], w[2 * p], x + g * lda + 2 * p);
+      high[g] = dot_pair(high[g], w[2 * p + 1], x + g * lda + 2 * p);
+    }
+  for (int g = 0; g < G; ++g) {
+    _mm512_storeu_ps(sums + g * ld, low[g]);
+    _mm512_storeu_ps(sums + g * ld + 16, high[g]);
+  }
+}
+
+// out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:depth, 0:cols] for one expert's rows and one
+// panel of its weight (rows * cols <= kScratchFloats).
+void nn_panel(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w, int64_t ldw, int64_t depth,
+              int64_t cols, uint16_t* out, int64_t ldo) {
+  thread_local std::vector<float> scratch(kScratchFloats);
+  float* sums = scratch.data();
+  for (int64_t k = 0; k < depth; k += 2 * kBandPairs) {
+    const uint16_t* band = w + k * ldw;
+    const bool last = k + 2 * kBandPairs >= depth;
+    for (int64_t c = 0; c < cols; c += 32) {
+      // the next band's lines, requested a band ahead: read once, nothing else brings them in early
+      if (!last)
+        for (int q = 0; q < 2 * kBandPairs; ++q)
+          _mm_prefetch(reinterpret_cast<const char*>(band + (2 * kBandPairs + q) * ldw + c), _MM_HINT_T0);
+      __m512i pairs[2 * kBandPairs];
+      for (int p = 0; p < kBandPairs; ++p) {
+        const __m512i r0 = _mm512_loadu_si512(band + 2 * p * ldw + c);
+        const __m512i r1 = _mm512_loadu_si512(band + (2 * p + 1) * ldw + c);
+        pairs[2 * p] = _mm512_unpacklo_epi16(r0, r1);
+        pairs[2 * p + 1] = _mm512_unpackhi_epi16(r0, r1);
+      }
+      const uint16_t* xk = x + k;
+      float* s = sums + c;
+      int64_t r = 0;
+      for (; r + kGroupRows <= rows; r += kGroupRows)
+        band_rows<kGroupRows>(pairs, xk + r * lda, lda, s + r * cols, cols, k == 0);
+      for (; r < rows; ++r) band_rows<1>(pairs, xk + r * lda, lda, s + r * cols, cols, k == 0);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; c += 32) {
+      const __m512 low = _mm512_loadu_ps(sums + r * cols + c), high = _mm512_loadu_ps(sums + r * cols + c + 16);
+      const __m512 c0 = _mm512_castsi512_ps(columns_low(low, high));
+      const __m512 c1 = _mm512_castsi512_ps(columns_high(low, high));
+      _mm512_storeu_si512(out + r * ldo + c, round_to_bf16(c0, c1));
+    }
+}
+
+// ---- nt ----------------------------------------------------------------------------------------
+
+// The sums of 16 vectors' lanes, lane i of the result the sum of v[i]'s: four levels of halving,
+// each folding two vectors' segments in half into one vector (15 folds of 2 permutes and an add,
+// against 16 full horizontal sums).
+struct FoldIndex {
+  alignas(64) int32_t low[16], high[16];
+};
+
+constexpr FoldIndex fold_index(int segment) {
+  FoldIndex f{};
+  for (int t = 0; t < 16; ++t) {
+    const int u = t & 7, half = segment / 2;
+    f.low[t] = (t < 8 ? 0 : 16) + u / half * segment + u % half;
+    f.high[t] = f.low[t] + half;
+  }
+  return f;
+}
+
+template <int Segment>
+inline __m512 fold(__m512 a, __m512 b) {
+  static constexpr FoldIndex kIndex = fold_index(Segment);
+  const __m512i lo = _mm512_load_si512(kIndex.low), hi = _mm512_load_si512(kIndex.high);
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
+}
+
+inline __m512 sum_lanes_of_16(__m512 (&v)[16]) {
+  for (int i = 0; i < 8; ++i) v[i] = fold<16>(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) v[i] = fold<8>(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) v[i] = fold<4>(v[2 * i], v[2 * i + 1]);
+  return fold<2>(v[0], v[1]);
+}
+
+constexpr int kDotColumns = 4;  // nt: weight rows per pass
+
+// out[g][0:4] = <x row g, w rows 0..3> for G rows of x (lda apart), over depth values; each
+// loaded vector serves 4 products. With `next`, the 4 weight rows after these are prefetched.
+template <int G>
+inline void dot_rows(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t ldw, const uint16_t* next,
+                     int64_t depth, uint16_t* out, int64_t ldo) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < depth; d += 32) {
+    if (next != nullptr)
+      for (int j = 0; j < kDotColumns; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * ldw + d), _MM_HINT_T0);
+    __m512bh wv[kDotColumns];
+    for (int j = 0; j < kDotColumns; ++j) wv[j] = as_pairs(_mm512_loadu_si512(w + j * ldw + d));
+    for (int g = 0; g < G; ++g) {
+      const __m512bh xv = as_pairs(_mm512_loadu_si512(x + g * lda + d));
+      for (int j = 0; j < kDotColumns; ++j) acc[g * kDotColumns + j] = _mm512_dpbf16_ps(acc[g * kDotColumns + j], xv, wv[j]);
+    }
+  }
+  alignas(32) uint16_t sums[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), (__m256i)_mm512_cvtneps_pbh(sum_lanes_of_16(acc)));
+  for (int g = 0; g < G; ++g) std::memcpy(out + g * ldo, sums + g * kDotColumns, kDotColumns * sizeof(uint16_t));
+}
+
+using DotFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t);
+constexpr DotFn kDots[kDotRows] = {&dot_rows<1>, &dot_rows<2>, &dot_rows<3>, &dot_rows<4>};
+
+// ---- tn ----------------------------------------------------------------------------------------
+// out[i][0:16*NV] = sum_p pairs_of_a[p][i] * pairs_of_b[p][0:16*NV] for i < MR, p < pairs, where
+// a_t[p * lda + i] holds row pair p of a's column i and b[p * ldb + 2j..] row pair p of b's column j.
+template <int MR, int NV, bool Streaming>
+void outer_block(const uint32_t* a_t, int64_t lda, const uint16_t* b, int64_t ldb, int64_t pairs, uint16_t* out,
+                 int64_t ldo) {
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_si512(b + p * ldb + 32 * v);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh av = as_pairs(_mm512_set1_epi32(int32_t(a_t[p * lda + i])));
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], as_pairs(bv[v]), av);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; v += 2) store_row_bits<Streaming>(out + i * ldo + 16 * v, round_to_bf16(acc[i][v], acc[i][v + 1]));
+}
+
+using OuterFn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, int64_t, uint16_t*, int64_t);
+
+template <bool Streaming>
+constexpr OuterFn outer_fn(int mr, int nv) {
+  constexpr OuterFn kTwo[kOuterRows] = {&outer_block<1, 2, Streaming>, &outer_block<2, 2, Streaming>,
+                                        &outer_block<3, 2, Streaming>, &outer_block<4, 2, Streaming>,
+                                        &outer_block<5, 2, Streaming>, &outer_block<6, 2, Streaming>};
+  constexpr OuterFn kFour[kOuterRows] = {&outer_block<1, 4, Streaming>, &outer_block<2, 4, Streaming>,
+                                         &outer_block<3, 4, Streaming>, &outer_block<4, 4, Streaming>,
+                                         &outer_block<5, 4, Streaming>, &outer_block<6, 4, Streaming>};
+  return nv == 4 ? kFour[mr - 1] : kTwo[mr - 1];
+}
+
+#endif  // MOE_GMM_AVX512_BF16
+
+// One task per (expert, range of `step` output columns or rows) for experts of at most max_rows
+// rows (and, with keep_empty, empty ones); cost: the rows plus a constant for reading the range.
+void tasks_of(const std::vector<int64_t>& starts, int64_t width, int64_t step, bool keep_empty, int64_t max_rows,
+              std::vector<Task>& tasks, std::vector<double>& cost) {
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(starts.size()); ++e) {
+    const int64_t rows = starts[e + 1] - starts[e];
+    if ((rows == 0 && !keep_empty) || rows > max_rows) continue;
+    for (int64_t j = 0; j < width; j += step) {
+      const int64_t end = std::min(width, j + step);
+      tasks.push_back({e, j, end});
+      cost.push_back(double(rows + 8) * double(end - j));
+    }
+  }
+}
+
+bool avx512_bf16_gemm_supported() {
+#ifdef MOE_GMM_AVX512_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+void check_operand(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == dim && t.stride(dim - 1) == 1,
+              name, ": expected a ", dim, "-d bfloat16 CPU tensor with a contiguous last dimension");
+}
+
+void check_multiple(int64_t value, const char* what) {
+  TORCH_CHECK(value % 32 == 0, what, " must be a multiple of 32, got ", value);
+}
+
+void require_bf16(const char* op) { TORCH_CHECK(avx512_bf16_gemm_supported(), op, ": this build has no AVX-512 BF16"); }
+
+// nn and nt: a[M, depth] times expert weights b[E, ...] into out[M, width]; returns the group starts.
+std::vector<int64_t> check_product(const char* op, const at::Tensor& a, const at::Tensor& b,
+                                   const at::Tensor& group_ends, const at::Tensor& out, int64_t depth, int64_t width) {
+  require_bf16(op);
+  check_operand(a, "a", 2), check_operand(b, "b", 3), check_operand(out, "out", 2);
+  TORCH_CHECK(a.size(1) == depth && out.size(0) == a.size(0) && out.size(1) == width && b.size(0) == group_ends.numel(),
+              op, ": shapes do not match");
+  check_multiple(depth, "the reduced width"), check_multiple(width, "the output width");
+  return moe_gmm_gemm::starts_of(group_ends, a.size(0));
+}
+
+const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::BFloat16>()); }
+uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr<at::BFloat16>()); }
+
+void avx512_bf16_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
+                         at::Tensor& out) {
+  const int64_t depth = b.size(1), width = b.size(2);
+  const auto starts = check_product("avx512_bf16_gemm_nn", a, b, group_ends, out, depth, width);
+#ifdef MOE_GMM_AVX512_BF16
+  const uint16_t *ap = bits(a), *bp = bits(b);
+  uint16_t* op = bits(out);
+  const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
+  // the widest panel (a multiple of 32 columns) whose float32 sums fit the scratch
+  int64_t largest = 1;
+  for (size_t e = 0; e + 1 < starts.size(); ++e)
+    if (const int64_t rows = starts[e + 1] - starts[e]; rows <= max_rows) largest = std::max(largest, rows);
+  const int64_t step = std::max<int64_t>(32, std::min(kNNColumns, kScratchFloats / largest / 32 * 32));
+  const int64_t rows_per_pass = kScratchFloats / step;  // past that (over 256 rows) the panel is read again
+  std::vector<Task> tasks;
+  std::vector<double> cost;
+  tasks_of(starts, width, step, false, max_rows, tasks, cost);
+  moe_gmm_gemm::run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const Task& task) {
+    const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
+    for (int64_t r = 0; r < rows; r += rows_per_pass)
+      nn_panel(ap + (m0 + r) * lda, lda, std::min(rows_per_pass, rows - r), bp + task.expert * lde + task.begin, ldb,
+               depth, task.end - task.begin, op + (m0 + r) * ldo + task.begin, ldo);
+  });
+#endif
+}
+
+void avx512_bf16_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
+                         at::Tensor& out) {
+  const int64_t depth = b.size(2), width = b.size(1);
+  const auto starts = check_product("avx512_bf16_gemm_nt", a, b, group_ends, out, depth, width);
+#ifdef MOE_GMM_AVX512_BF16
+  const uint16_t *ap = bits(a), *bp = bits(b);
+  uint16_t* op = bits(out);
+  const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
+  std::vector<Task> tasks;
+  std::vector<double> cost;
+  tasks_of(starts, width, kNTPanel, false, max_rows, tasks, cost);
+  moe_gmm_gemm::run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const Task& task) {
+    const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
+    const uint16_t* w = bp + task.expert * lde;
+    for (int64_t j = task.begin; j < task.end; j += kDotColumns) {
+      const uint16_t* next = j + kDotColumns < task.end ? w + (j + kDotColumns) * ldb : nullptr;
+      for (int64_t r = 0; r < rows; r += kDotRows) {
+        const int64_t g = std::min<int64_t>(kDotRows, rows - r);
+        kDots[g - 1](ap + (m0 + r) * lda, lda, w + j * ldb, ldb, r == 0 ? next : nullptr, depth,
+                     op + (m0 + r) * ldo + j, ldo);
+      }
+    }
+  });
+#endif
+}
+
+void avx512_bf16_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
+                         at::Tensor& out) {
+  require_bf16("avx512_bf16_gemm_tn");
+  check_operand(a, "a", 2), check_operand(b, "b", 2), check_operand(out, "out", 3);
+  const int64_t height = a.size(1), width = b.size(1);
+  TORCH_CHECK(b.size(0) == a.size(0) && out.size(0) == group_ends.numel() && out.size(1) == height &&
+                  out.size(2) == width,
+              "avx512_bf16_gemm_tn: shapes do not match");
+  check_multiple(height, "the output height"), check_multiple(width, "the output width");
+  const auto starts = moe_gmm_gemm::starts_of(group_ends, a.size(0));
+#ifdef MOE_GMM_AVX512_BF16
+  const uint16_t *ap = bits(a), *bp = bits(b);
+  uint16_t* op = bits(out);
+  const int64_t lda = a.stride(0), ldb = b.stride(0), lde = out.stride(0), ldo = out.stride(1);
+  const bool aligned = reinterpret_cast<uintptr_t>(op) % 64 == 0 && (ldo * 2) % 64 == 0 && (lde * 2) % 64 == 0;
+  std::vector<Task> tasks;
+  std::vector<double> cost;
+  tasks_of(starts, height, kTNPanel, true, max_rows, tasks, cost);
+  const int64_t call = moe_gmm_gemm::next_call();
+  moe_gmm_gemm::run_tasks<moe_gmm_gemm::StreamingStores>(tasks, cost, [&](const Task& task) {
+    thread_local std::vector<uint16_t> a_pairs, b_pairs, zero_row;
+    thread_local moe_gmm_gemm::PreparedExpert prepared;
+    const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
+    uint16_t* o = op + task.expert * lde;
+    if (rows == 0) {
+      for (int64_t r = task.begin; r < task.end; ++r) moe_gmm_gemm::zero_bytes(o + r * ldo, width * 2, aligned);
+      return;
+    }
+    const int64_t pairs = (rows + 1) / 2;
+    if (prepared.stale(call, task.expert)) {
+      // row pair p of a and of b, interleaved: a_pairs[p][k] = (a[2p][k], a[2p + 1][k]) as one
+      // 32-bit value, b_pairs[p][2j..2j + 1] likewise; an odd count's last pair takes a zero row
+      zero_row.assign(std::max(height, width), 0);
+      a_pairs.resize(2 * pairs * height), b_pairs.resize(2 * pairs * width);
+      for (int64_t p = 0; p < pairs; ++p) {
+        const bool odd_end = 2 * p + 1 == rows;
+        const uint16_t* a1 = odd_end ? zero_row.data() : ap + (m0 + 2 * p + 1) * lda;
+        const uint16_t* b1 = odd_end ? zero_row.data() : bp + (m0 + 2 * p + 1) * ldb;
+        moe_gmm_simd::interleave_rows(ap + (m0 + 2 * p) * lda, a1, a_pairs.data() + 2 * p * height, height);
+        moe_gmm_simd::interleave_rows(bp + (m0 + 2 * p) * ldb, b1, b_pairs.data() + 2 * p * width, width);
+      }
+    }
+    const auto* a_t = reinterpret_cast<const uint32_t*>(a_pairs.data());
+    for (int64_t r = task.begin; r < task.end; r += kOuterRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kOuterRows, task.end - r));
+      for (int64_t j = 0; j < width; j += 64) {
+        const int nv = width - j >= 64 ? 4 : 2;
+        const OuterFn block = aligned ? outer_fn<true>(mr, nv) : outer_fn<false>(mr, nv);
+        block(a_t + r, height, b_pairs.data() + 2 * j, 2 * width, pairs, o + r * ldo + j, ldo);
+      }
+    }
+  });
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(moe_gmm_native, m) {
+  m.def("avx512_bf16_gemm_supported() -> bool", avx512_bf16_gemm_supported);
+  m.def("avx512_bf16_gemm_nn(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
+  m.def("avx512_bf16_gemm_nt(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
+  m.def("avx512_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(moe_gmm_native, CPU, m) {
+  m.impl("avx512_bf16_gemm_nn", avx512_bf16_gemm_nn);
+  m.impl("avx512_bf16_gemm_nt", avx512_bf16_gemm_nt);
+  m.impl("avx512_bf16_gemm_tn", avx512_bf16_gemm_tn);
+}
