@@ -145,18 +145,19 @@ AMX_NT_MAX_ROWS = 192
 # ms); 128 was the fastest limit on 3 of the 4 results cases with 64-row experts (E128 k2 T4096
 # gate_up 21.5 ms, against 24.0 at 96 and 28.8 at 64).
 AMX_GRAD_WEIGHT_MAX_ROWS = 128
-# The bfloat16 kernels on AVX-512 BF16 where AMX is missing (or USE_AMX is False). Row limits from
-# a sweep of uniform experts against one oneDNN GEMM per expert on a thread (AMD EPYC Zen 5,
-# 2 threads; ms oneDNN/kernel):
+# The bfloat16 kernels on AVX-512 BF16 where AMX is missing (or USE_AMX is False). Against one
+# oneDNN GEMM per expert on a thread (AMD EPYC Zen 5, 2 threads, uniform experts; ms oneDNN/kernel):
 # nn: K1024 N512 4 rows 21.2/7.2, 16 rows 21.4/7.8; K = N = 1024 32 rows 21.3/13.3, 64 rows
-# 29.1/21.2; 128 rows (E32) 11.6/9.7.
-# nt: 4 rows 17.7/7.4, 16 rows 18.3/9.8; 32 rows 17.6/14.8; 64 rows 25.6/25.2 (even); 128 rows
-# 10.2/11.1.
-# tn: 4 rows 13.7/6.2, 16 rows 14.2/7.0; 32 rows 13.2/12.2; 64 rows 21.0/22.1.
+# 29.1/21.2; 128 rows (E32) 11.6/9.7. nt: 4 rows 17.7/7.4, 16 rows 18.3/9.8; 32 rows 17.6/14.8.
+# tn: 4 rows 13.7/6.2, 16 rows 14.2/7.0; 32 rows 13.2/12.2.
+# The limits: timing the results set with each candidate in one process, taking turns (ms at
+# E128 k2 T4096 gate_up, about 64 rows per expert, some more): nn 64/128/256 29.2/21.6/21.7;
+# nt 32/64/128 29.8/29.3/25.9; tn 48/64/128/256 25.4/24.4/21.1/22.0, and all rows (E8, 1024
+# rows each) 1.75x slower than 256.
 USE_AVX512_BF16 = True
 AVX512_BF16_NN_MAX_ROWS = 128
-AVX512_BF16_NT_MAX_ROWS = 64
-AVX512_BF16_GRAD_WEIGHT_MAX_ROWS = 48
+AVX512_BF16_NT_MAX_ROWS = 128
+AVX512_BF16_GRAD_WEIGHT_MAX_ROWS = 128
 # The float32 grad_weight kernel (AVX-512). Against MKL's loop (2 threads, ms MKL/kernel):
 # E256 4 rows K1024 N512 31.0/23.7; E128 64 rows K = N = 1024 115.5/82.1; E64 128 rows 77.9/71.2;
 # E32 256 rows 58.3/77.1. Against one GEMM per expert on a thread each the results set ran the

@@ -1,5 +1,6 @@
-// Shared by the grouped GEMM kernels (grouped_gemm_amx.cpp, grouped_gemm_avx512.cpp): the group
-// bounds, the (expert, range) tasks and their split between threads.
+// Shared by the grouped GEMM kernels (grouped_gemm_amx.cpp, grouped_gemm_avx512_bf16.cpp,
+// grouped_gemm_avx512.cpp): the group bounds, the (expert, range) tasks and their split between
+// threads, and per-call state of a thread.
 #pragma once
 
 #include <ATen/Parallel.h>
