@@ -67,6 +67,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -158,23 +159,50 @@ USE_AVX512_BF16 = True
 AVX512_BF16_NN_MAX_ROWS = 128
 AVX512_BF16_NT_MAX_ROWS = 128
 AVX512_BF16_GRAD_WEIGHT_MAX_ROWS = 128
-# The float32 grad_weight kernel (AVX-512). Against MKL's loop (2 threads, ms MKL/kernel):
+
+
+def _cpu_vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or "" where unreadable."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# MKL runs its generic x86 code on AMD CPUs (its verbose log names "Intel(R) Architecture
+# processors" where an Intel CPU gets its AVX-512 code): on 2 Zen 5 cores its float32 GEMM peaks at
+# 227-240 GFLOP/s, where the AVX-512 grad_weight kernel runs 440. So there the float32 kernels
+# below take larger experts than on Intel, where the limits were measured against MKL's AVX-512.
+MKL_GENERIC_CODE = _cpu_vendor() == "AuthenticAMD"
+# The float32 grad_weight kernel (AVX-512). Against MKL's loop (Intel Xeon, 2 threads, ms MKL/kernel):
 # E256 4 rows K1024 N512 31.0/23.7; E128 64 rows K = N = 1024 115.5/82.1; E64 128 rows 77.9/71.2;
 # E32 256 rows 58.3/77.1. Against one GEMM per expert on a thread each the results set ran the
 # same at limits 64-128, except 64 1.15-1.25x slower at E64-E128 with 64-row experts.
 USE_AVX512 = True
-AVX512_GRAD_WEIGHT_MAX_ROWS = 128
+# On AMD (MKL_GENERIC_CODE), in one process taking turns: the kernel 1.12-1.35x faster than MKL
+# at every expert size of the results set (E8 with 1024 rows each, gate_up 63.4 against 77.8 ms;
+# skewed gate_up 59.1 against 79.9).
+AVX512_GRAD_WEIGHT_MAX_ROWS = 4096 if MKL_GENERIC_CODE else 128
 # The float32 forward of an [E, K, N] weight for experts of few rows (AVX-512, nn; also the
-# grad_input of an [E, N, K] one): it streams each weight once. Against MKL's loop (2 threads, ms
-# MKL/kernel): E256 4 rows K1024 N512 45.4/33.5, 16 rows 69.9/59.8; K256 N1024 26.0/15.5 and
+# grad_input of an [E, N, K] one): it streams each weight once. Against MKL's loop (Intel Xeon,
+# 2 threads, ms MKL/kernel): E256 4 rows K1024 N512 45.4/33.5, 16 rows 69.9/59.8; K256 N1024 26.0/15.5 and
 # 39.8/31.4; E128 32 rows K = N = 1024 76.1/113.0. Limits 8, 12 and 16 ran the same on the results
 # set; with the kernel passing over each weight band once per 4 output rows, so did 16-48.
-AVX512_NN_MAX_ROWS = 16
+# The kernel reads bands of 16 weight rows held in registers where a band has 16 rows (E256, 4 rows
+# each, K1024 N512: 1.08-1.11x faster than bands of 4 on AMD). On AMD, in one process taking
+# turns, limits 16/64/128/256: E256 k8 T512 gate_up 29.9/21.0/21.5/21.0 ms, E128 k2 T4096 gate_up
+# 97.2/89.3/82.7/83.2; all rows ran E8 (1024 rows each) 1.4-1.5x slower.
+AVX512_NN_MAX_ROWS = 128 if MKL_GENERIC_CODE else 16
 # The float32 grad_input of an [E, K, N] weight (and forward of an [E, N, K] one) for experts of few
-# rows (AVX-512, nt). Against one MKL GEMM per expert on a thread (ms MKL/kernel, E256): 4 rows
+# rows (AVX-512, nt). Against one MKL GEMM per expert on a thread (Intel Xeon, ms MKL/kernel, E256): 4 rows
 # K1024 N512 32.5/26.5, 16 rows 52.6/42.9; K256 N1024 12.0/9.6 and 19.9/20.1; E128 8 rows
 # K = N = 1024 43.9/21.9; E64 32 rows 25.5/34.5.
-AVX512_NT_MAX_ROWS = 16
+# On AMD, limits 16/64/128: E256 k8 T512 gate_up 33.2/27.6/27.5 ms, E128 k2 T4096 gate_up
+# 97.1/99.5/103.6; all rows ran E8 1.6x slower. 32 takes the first experts (about 16 rows each).
+AVX512_NT_MAX_ROWS = 32 if MKL_GENERIC_CODE else 16
 
 
 def plan(

@@ -253,6 +253,18 @@ inline void accumulate_band(const float* x, int64_t lda, int64_t kb, const std::
   }
 }
 
+// out[g][0:16] += sum_q x[g][q] * w[q] for G output rows (x's rows lda apart) and the 16 band rows
+// held in w: each accumulator is loaded and stored once per 16 multiply-adds.
+template <int G>
+inline void accumulate_wide_band(const __m512 (&w)[16], const float* x, int64_t lda, float* out, int64_t ldo,
+                                 __mmask16 m) {
+  __m512 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm512_maskz_loadu_ps(m, out + g * ldo);
+  for (int q = 0; q < 16; ++q)
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(x[g * lda + q]), w[q], acc[g]);
+  for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(out + g * ldo, m, acc[g]);
+}
+
 // out[rows_e, :] = a[rows_e] @ b[e] for experts of 1..max_rows rows (others untouched), b[E, R, J]
 // with J contiguous. For the few rows per expert of many-expert layers the product is bound by
 // reading b once: each task streams bands of 4 rows of its expert's weight, front to back, with
@@ -265,7 +277,7 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
   const int64_t depth = b.size(1), width = b.size(2);
   const std::vector<int64_t> starts = check_few_rows("avx512_gemm_nn_few_rows", a, b, group_ends, out, depth, width);
 #ifdef MOE_GMM_AVX512
-  constexpr int64_t kStreamColumns = 512, kStreamRows = 4;
+  constexpr int64_t kStreamColumns = 512, kStreamRows = 4, kWideRows = 16;
   constexpr int kGroup = 4;  // output rows per pass over a band
   const float* ap = a.const_data_ptr<float>();
   const float* bp = b.const_data_ptr<float>();
@@ -279,7 +291,26 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
     const float* w = bp + task.expert * lde + task.begin;
     float* o = op + m0 * ldo + task.begin;
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
-    for (int64_t k = 0; k < depth; k += kStreamRows) {
+    int64_t k = 0;
+    for (; k + kWideRows <= depth; k += kWideRows) {
+      const float* band = w + k * ldb;
+      const bool last = k + 2 * kWideRows > depth;
+      for (int64_t j = 0; j < cols; j += kLanes) {
+        // the next band's lines, a band ahead (the weight is read once: nothing else brings them in)
+        if (!last)
+          for (int q = 0; q < kWideRows; ++q)
+            _mm_prefetch(reinterpret_cast<const char*>(band + (kWideRows + q) * ldb + j), _MM_HINT_T0);
+        const __mmask16 m = tail_mask(cols - j);
+        __m512 wv[kWideRows];
+        for (int q = 0; q < kWideRows; ++q) wv[q] = _mm512_maskz_loadu_ps(m, band + q * ldb + j);
+        const float* x = ap + m0 * lda + k;
+        int64_t r = 0;
+        for (; r + kGroup <= rows; r += kGroup)
+          accumulate_wide_band<kGroup>(wv, x + r * lda, lda, o + r * ldo + j, ldo, m);
+        for (; r < rows; ++r) accumulate_wide_band<1>(wv, x + r * lda, lda, o + r * ldo + j, ldo, m);
+      }
+    }
+    for (; k < depth; k += kStreamRows) {
       const int64_t kb = std::min(kStreamRows, depth - k);
       const float* w0 = w + k * ldb;
       const std::array<const float*, kStreamRows> band = {w0, kb > 1 ? w0 + ldb : w0, kb > 2 ? w0 + 2 * ldb : w0,
