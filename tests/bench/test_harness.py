@@ -20,7 +20,7 @@ from moe_gmm.bench.harness import (
     time_interleaved,
     timing_from_samples,
 )
-from moe_gmm.bench.machine import Limits, describe_machine, roofline_floor
+from moe_gmm.bench.machine import CopyBandwidthProbe, Limits, describe_machine, roofline_floor
 from moe_gmm.bench.table import markdown_report, print_report
 
 FAST = TimingSettings(warmup=1, min_repeats=2, max_repeats=2, min_seconds=0.0)
@@ -223,3 +223,32 @@ def test_set_limits_recomputes_floors_and_merge_takes_the_better():
     report.set_limits(merged)
     for row in report.rows:
         assert row["x_floor"] == pytest.approx(before[row["impl"]] * 10)  # both limits 10x higher
+
+
+def test_bandwidth_measured_next_to_each_case_sets_its_memory_floor():
+    probe = CopyBandwidthProbe(mib=4)
+    report = run_benchmark(
+        [TINY],
+        gmm_impls(["torch"]),
+        dtypes=[torch.float32],
+        modes=["fwd", "fwdbwd"],
+        limits=LIMITS,
+        machine=describe_machine(),
+        settings=FAST,
+        reference="eager",
+        title="tiny",
+        bandwidth_probe=probe,
+    )
+    for row in report.rows:
+        assert row["copy_bandwidth"] > 0 and row["copy_bandwidth"] != LIMITS.copy_bandwidth
+        compute_s = row["flops"] / LIMITS.peak_flops["fp32"]
+        memory_s = row["min_bytes"] / row["copy_bandwidth"]
+        assert row["floor_s"] == pytest.approx(max(compute_s, memory_s))
+        assert row["bound"] == ("compute" if compute_s >= memory_s else "memory")
+    own = {(r["mode"], r["impl"]): r["copy_bandwidth"] for r in report.rows}
+    faster = Limits(peak_flops={"fp32": 1e12, "bf16": 2e12}, copy_bandwidth=1e15, gemm_sizes=(64,), copy_mib=1)
+    report.set_limits(faster)  # the run's limits change the compute floor, not a row's own bandwidth
+    for row in report.rows:
+        assert row["copy_bandwidth"] == own[(row["mode"], row["impl"])]
+        compute_s = row["flops"] / 1e12
+        assert row["floor_s"] == pytest.approx(max(compute_s, row["min_bytes"] / row["copy_bandwidth"]))

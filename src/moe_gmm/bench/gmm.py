@@ -36,7 +36,7 @@ from moe_gmm.bench.harness import (
     run_benchmark,
     split_choices,
 )
-from moe_gmm.bench.machine import DTYPE_NAMES, describe_machine, measure_limits
+from moe_gmm.bench.machine import DTYPE_NAMES, CopyBandwidthProbe, describe_machine, measure_limits
 from moe_gmm.ops import grouped_matmul
 from moe_gmm.ops.backends import AUTO_PRIORITY, registered_backends, select_backend
 from moe_gmm.testing import routing_ids
@@ -256,6 +256,16 @@ def auto_backend_name(dtype: torch.dtype = torch.float32) -> str:
 _DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
+def _case_bandwidth_note(rows: list[dict]) -> str:
+    measured = [r["copy_bandwidth"] for r in rows if "copy_bandwidth" in r]
+    if not measured:
+        return "memory floors: the run's copy bandwidth"
+    return (
+        "memory floors: the copy bandwidth measured before and after each case and mode, the better "
+        f"of the two ({min(measured) / 1e9:.1f}-{max(measured) / 1e9:.1f} GB/s this run)"
+    )
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(description="Grouped-matmul benchmark: implementations side by side.")
     p.add_argument("--quick", action="store_true", help="small cases, fewer repeats (well under a minute)")
@@ -324,12 +334,14 @@ def main(argv: list[str] | None = None) -> int:
             title="grouped_matmul: " + ", ".join(names) + f" (auto backend on CPU: {primary})",
             command=command.strip(),
             progress=progress,
+            bandwidth_probe=None if args.quick else CopyBandwidthProbe(limits.copy_mib),
         )
     if not args.quick:
         # Limits again after the run; each floor uses the better of the two measurements, so a
         # load spike during one of them cannot make the floors (and the ratios to them) look better.
         report.set_limits(limits.merged(measure_limits(tuple(dtypes), quick=False)))
         report.notes.append("limits: the better of measurements before and after the run")
+        report.notes.append(_case_bandwidth_note(report.rows))
     print_report(report, console)
     if args.out:
         console.print(f"JSON written to {report.write_json(args.out)}")

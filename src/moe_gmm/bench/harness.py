@@ -26,13 +26,13 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from moe_gmm.bench.machine import Limits, MachineInfo, dtype_name, roofline_floor
+from moe_gmm.bench.machine import CopyBandwidthProbe, Limits, MachineInfo, dtype_name, roofline_floor
 from moe_gmm.testing import relative_error
 
 __all__ = [
@@ -224,11 +224,12 @@ class BenchReport:
         }
 
     def set_limits(self, limits: Limits) -> None:
-        """Use ``limits`` (e.g. the better of measurements before and after the run) for every floor."""
+        """Use ``limits`` (e.g. the better of measurements before and after the run) for every floor;
+        a row's own copy bandwidth, where it was measured next to its case, stays its own."""
         self.limits = limits
         for row in self.rows:
             compute_s = row["flops"] / limits.peak_flops[row["dtype"]]
-            memory_s = row["min_bytes"] / limits.copy_bandwidth
+            memory_s = row["min_bytes"] / row.get("copy_bandwidth", limits.copy_bandwidth)
             row["floor_s"], row["bound"] = (compute_s, "compute") if compute_s >= memory_s else (memory_s, "memory")
             if row.get("median_s") is not None:
                 row["x_floor"] = row["median_s"] / row["floor_s"]
@@ -285,8 +286,15 @@ def run_benchmark(
     title: str = "benchmark",
     command: str = "",
     progress: Any | None = None,
+    bandwidth_probe: CopyBandwidthProbe | None = None,
 ) -> BenchReport:
-    """Run every case x dtype x mode x impl; ``progress`` is an optional ``rich.progress.Progress``."""
+    """Run every case x dtype x mode x impl; ``progress`` is an optional ``rich.progress.Progress``.
+
+    With ``bandwidth_probe`` the copy bandwidth is measured before and after each case and mode,
+    and the better of the two sets that row's memory floor (``row["copy_bandwidth"]``), instead of
+    the run's ``limits``: on a machine whose memory bandwidth changes during a run, a floor from
+    another moment would misstate every memory-bound ratio.
+    """
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"modes must be drawn from {MODES}, got {mode!r}")
@@ -311,7 +319,7 @@ def run_benchmark(
     task = progress.add_task(title, total=len(cases) * len(dtypes) * len(modes)) if progress is not None else None
     for case in cases:
         for dtype in dtypes:
-            report.rows.extend(_run_case(case, impls, dtype, modes, limits, settings, reference))
+            report.rows.extend(_run_case(case, impls, dtype, modes, limits, settings, reference, bandwidth_probe))
             if progress is not None:
                 progress.advance(task, len(modes))
             gc.collect()
@@ -328,6 +336,7 @@ def _run_case(
     limits: Limits,
     settings: TimingSettings,
     reference: str,
+    bandwidth_probe: CopyBandwidthProbe | None = None,
 ) -> list[dict[str, Any]]:
     inputs = case.make_inputs(dtype)
     workloads: dict[str, Workload] = {}
@@ -356,13 +365,18 @@ def _run_case(
     base = {"case": case.name, **case.columns(), "params": case.params(), "dtype": dtype_name(dtype)}
     for mode in modes:
         flops, min_bytes = case.flops(mode), case.min_bytes(mode, dtype)
-        floor_s, bound = roofline_floor(flops, min_bytes, dtype, limits)
         fns = {name: _timed_callable(w, mode, grad_out) for name, w in workloads.items()}
+        bandwidth_before = bandwidth_probe.measure(repeats=3) if bandwidth_probe is not None else None
         timings = time_interleaved(fns, settings)
         del fns
+        case_limits, measured = limits, {}
+        if bandwidth_probe is not None:
+            bandwidth = max(bandwidth_before, bandwidth_probe.measure(repeats=3))
+            case_limits, measured = replace(limits, copy_bandwidth=bandwidth), {"copy_bandwidth": bandwidth}
+        floor_s, bound = roofline_floor(flops, min_bytes, dtype, case_limits)
         ref_median = timings[reference].median_s
         for impl in impls:
-            row = {**base, "mode": mode, "impl": impl.name, "flops": flops, "min_bytes": min_bytes}
+            row = {**base, "mode": mode, "impl": impl.name, "flops": flops, "min_bytes": min_bytes, **measured}
             row.update({"floor_s": floor_s, "bound": bound})
             if impl.name in skipped:
                 row.update({"median_s": None, "skipped": skipped[impl.name]})

@@ -197,14 +197,30 @@ def measure_peak_gemm(dtype: torch.dtype, sizes: tuple[int, ...] = (2048, 3072),
     return best
 
 
+class CopyBandwidthProbe:
+    """``dst.copy_(src)`` on ``mib`` MiB buffers allocated once, for measuring again and again.
+
+    On some virtual machines the memory bandwidth flips between states within a minute (an AMD
+    EPYC VM here: about 46 and about 80 GB/s, in runs of tens of seconds): the GMM benchmark
+    measures it next to every case with one probe.
+    """
+
+    def __init__(self, mib: int = 256) -> None:
+        numel = mib * 2**20 // 4
+        self.mib = mib
+        self._src = torch.ones(numel, dtype=torch.float32)
+        self._dst = torch.empty_like(self._src)
+        self._dst.copy_(self._src)  # first touch outside the timing: page faults are not bandwidth
+
+    def measure(self, repeats: int = 5) -> float:
+        """Best bytes/s of the copy, counting the read and the write."""
+        seconds = _best_seconds(lambda: self._dst.copy_(self._src), repeats)
+        return 2.0 * self._src.numel() * 4 / seconds
+
+
 def measure_copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     """Best bytes/s of ``dst.copy_(src)`` on ``mib`` MiB, counting the read and the write."""
-    numel = mib * 2**20 // 4
-    src = torch.ones(numel, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch outside the timing: page faults are not bandwidth
-    seconds = _best_seconds(lambda: dst.copy_(src), repeats)
-    return 2.0 * numel * 4 / seconds
+    return CopyBandwidthProbe(mib).measure(repeats)
 
 
 def measure_limits(dtypes: tuple[torch.dtype, ...], *, quick: bool = False) -> Limits:
