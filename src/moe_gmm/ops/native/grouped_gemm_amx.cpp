@@ -67,9 +67,9 @@
 
 namespace {
 
+using moe_gmm_gemm::bf16_bits;
 using moe_gmm_gemm::next_call;
 using moe_gmm_gemm::PreparedExpert;
-using moe_gmm_gemm::starts_of;
 using moe_gmm_gemm::Task;
 #ifdef MOE_GMM_AMX
 using moe_gmm_simd::interleave_rows;
@@ -421,15 +421,6 @@ void run_tasks(const std::vector<Task>& tasks, const std::vector<double>& cost, 
 #endif  // MOE_GMM_AMX
 
 
-void check_operand(const at::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == dim && t.stride(dim - 1) == 1,
-              name, ": expected a ", dim, "-d bfloat16 CPU tensor with a contiguous last dimension");
-}
-
-void check_multiple(int64_t value, const char* what) {
-  TORCH_CHECK(value % 32 == 0, what, " must be a multiple of 32, got ", value);
-}
-
 bool amx_gemm_supported() {
 #ifdef MOE_GMM_AMX
   return amx_granted();
@@ -444,25 +435,16 @@ void require_amx() { TORCH_CHECK(amx_gemm_supported(), "AMX bfloat16 is not avai
 std::vector<int64_t> check_product(const char* op, const at::Tensor& a, const at::Tensor& b,
                                    const at::Tensor& group_ends, const at::Tensor& out, int64_t depth, int64_t width) {
   require_amx();
-  check_operand(a, "a", 2), check_operand(b, "b", 3), check_operand(out, "out", 2);
-  TORCH_CHECK(a.size(1) == depth && out.size(0) == a.size(0) && out.size(1) == width && b.size(0) == group_ends.numel(),
-              op, ": shapes do not match");
-  check_multiple(depth, "the reduced width"), check_multiple(width, "the output width");
-  return starts_of(group_ends, a.size(0));
+  return moe_gmm_gemm::check_bf16_product(op, a, b, group_ends, out, depth, width);
 }
-
-#ifdef MOE_GMM_AMX
-const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::BFloat16>()); }
-uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr<at::BFloat16>()); }
-#endif
 
 void amx_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
                  at::Tensor& out) {
   const int64_t depth = b.size(1), width = b.size(2);
   const auto starts = check_product("amx_gemm_nn", a, b, group_ends, out, depth, width);
 #ifdef MOE_GMM_AMX
-  const uint16_t *ap = bits(a), *bp = bits(b);
-  uint16_t* op = bits(out);
+  const uint16_t *ap = bf16_bits(a), *bp = bf16_bits(b);
+  uint16_t* op = bf16_bits(out);
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
   std::vector<Task> tasks;
   std::vector<double> cost;
@@ -491,8 +473,8 @@ void amx_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
   const auto starts = check_product("amx_gemm_nt", a, b, group_ends, out, depth, width);
   TORCH_CHECK(a.stride(0) % 2 == 0, "amx_gemm_nt: a's row stride must be even");
 #ifdef MOE_GMM_AMX
-  const uint16_t *ap = bits(a), *bp = bits(b);
-  uint16_t* op = bits(out);
+  const uint16_t *ap = bf16_bits(a), *bp = bf16_bits(b);
+  uint16_t* op = bf16_bits(out);
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
   std::vector<Task> tasks;
   std::vector<double> cost;
@@ -513,16 +495,11 @@ void amx_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
 void amx_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
                  at::Tensor& out) {
   require_amx();
-  check_operand(a, "a", 2), check_operand(b, "b", 2), check_operand(out, "out", 3);
   const int64_t height = a.size(1), width = b.size(1);
-  TORCH_CHECK(b.size(0) == a.size(0) && out.size(0) == group_ends.numel() && out.size(1) == height &&
-                  out.size(2) == width,
-              "amx_gemm_tn: shapes do not match");
-  check_multiple(height, "the output height"), check_multiple(width, "the output width");
-  const auto starts = starts_of(group_ends, a.size(0));
+  const auto starts = moe_gmm_gemm::check_bf16_weight_gradient("amx_gemm_tn", a, b, group_ends, out);
 #ifdef MOE_GMM_AMX
-  const uint16_t *ap = bits(a), *bp = bits(b);
-  uint16_t* op = bits(out);
+  const uint16_t *ap = bf16_bits(a), *bp = bf16_bits(b);
+  uint16_t* op = bf16_bits(out);
   const int64_t lda = a.stride(0), ldb = b.stride(0), lde = out.stride(0), ldo = out.stride(1);
   const bool aligned = reinterpret_cast<uintptr_t>(op) % 64 == 0 && (ldo * 2) % 64 == 0 && (lde * 2) % 64 == 0;
   std::vector<Task> tasks;

@@ -54,6 +54,7 @@
 
 namespace {
 
+using moe_gmm_gemm::bf16_bits;
 using moe_gmm_gemm::Task;
 
 #ifdef MOE_GMM_AVX512_BF16
@@ -278,38 +279,22 @@ bool avx512_bf16_gemm_supported() {
 #endif
 }
 
-void check_operand(const at::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == dim && t.stride(dim - 1) == 1,
-              name, ": expected a ", dim, "-d bfloat16 CPU tensor with a contiguous last dimension");
-}
-
-void check_multiple(int64_t value, const char* what) {
-  TORCH_CHECK(value % 32 == 0, what, " must be a multiple of 32, got ", value);
-}
-
 void require_bf16(const char* op) { TORCH_CHECK(avx512_bf16_gemm_supported(), op, ": this build has no AVX-512 BF16"); }
 
 // nn and nt: a[M, depth] times expert weights b[E, ...] into out[M, width]; returns the group starts.
 std::vector<int64_t> check_product(const char* op, const at::Tensor& a, const at::Tensor& b,
                                    const at::Tensor& group_ends, const at::Tensor& out, int64_t depth, int64_t width) {
   require_bf16(op);
-  check_operand(a, "a", 2), check_operand(b, "b", 3), check_operand(out, "out", 2);
-  TORCH_CHECK(a.size(1) == depth && out.size(0) == a.size(0) && out.size(1) == width && b.size(0) == group_ends.numel(),
-              op, ": shapes do not match");
-  check_multiple(depth, "the reduced width"), check_multiple(width, "the output width");
-  return moe_gmm_gemm::starts_of(group_ends, a.size(0));
+  return moe_gmm_gemm::check_bf16_product(op, a, b, group_ends, out, depth, width);
 }
-
-const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::BFloat16>()); }
-uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr<at::BFloat16>()); }
 
 void avx512_bf16_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
                          at::Tensor& out) {
   const int64_t depth = b.size(1), width = b.size(2);
   const auto starts = check_product("avx512_bf16_gemm_nn", a, b, group_ends, out, depth, width);
 #ifdef MOE_GMM_AVX512_BF16
-  const uint16_t *ap = bits(a), *bp = bits(b);
-  uint16_t* op = bits(out);
+  const uint16_t *ap = bf16_bits(a), *bp = bf16_bits(b);
+  uint16_t* op = bf16_bits(out);
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
   // the widest panel (a multiple of 32 columns) whose float32 sums fit the scratch
   int64_t largest = 1;
@@ -334,8 +319,8 @@ void avx512_bf16_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const int64_t depth = b.size(2), width = b.size(1);
   const auto starts = check_product("avx512_bf16_gemm_nt", a, b, group_ends, out, depth, width);
 #ifdef MOE_GMM_AVX512_BF16
-  const uint16_t *ap = bits(a), *bp = bits(b);
-  uint16_t* op = bits(out);
+  const uint16_t *ap = bf16_bits(a), *bp = bf16_bits(b);
+  uint16_t* op = bf16_bits(out);
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
   std::vector<Task> tasks;
   std::vector<double> cost;
@@ -358,16 +343,11 @@ void avx512_bf16_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Ten
 void avx512_bf16_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
                          at::Tensor& out) {
   require_bf16("avx512_bf16_gemm_tn");
-  check_operand(a, "a", 2), check_operand(b, "b", 2), check_operand(out, "out", 3);
   const int64_t height = a.size(1), width = b.size(1);
-  TORCH_CHECK(b.size(0) == a.size(0) && out.size(0) == group_ends.numel() && out.size(1) == height &&
-                  out.size(2) == width,
-              "avx512_bf16_gemm_tn: shapes do not match");
-  check_multiple(height, "the output height"), check_multiple(width, "the output width");
-  const auto starts = moe_gmm_gemm::starts_of(group_ends, a.size(0));
+  const auto starts = moe_gmm_gemm::check_bf16_weight_gradient("avx512_bf16_gemm_tn", a, b, group_ends, out);
 #ifdef MOE_GMM_AVX512_BF16
-  const uint16_t *ap = bits(a), *bp = bits(b);
-  uint16_t* op = bits(out);
+  const uint16_t *ap = bf16_bits(a), *bp = bf16_bits(b);
+  uint16_t* op = bf16_bits(out);
   const int64_t lda = a.stride(0), ldb = b.stride(0), lde = out.stride(0), ldo = out.stride(1);
   const bool aligned = reinterpret_cast<uintptr_t>(op) % 64 == 0 && (ldo * 2) % 64 == 0 && (lde * 2) % 64 == 0;
   std::vector<Task> tasks;

@@ -37,6 +37,45 @@ inline std::vector<int64_t> starts_of(const at::Tensor& group_ends, int64_t rows
   return starts;
 }
 
+// The bfloat16 kernels' operands (AMX, AVX-512 BF16): a `dim`-d bfloat16 CPU tensor with a
+// contiguous last dimension, and reduced and output widths that are multiples of 32.
+inline void check_bf16_operand(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == dim && t.stride(dim - 1) == 1,
+              name, ": expected a ", dim, "-d bfloat16 CPU tensor with a contiguous last dimension");
+}
+
+inline void check_multiple_of_32(int64_t value, const char* what) {
+  TORCH_CHECK(value % 32 == 0, what, " must be a multiple of 32, got ", value);
+}
+
+// nn and nt: a[M, depth] times expert weights b[E, ...] into out[M, width]; returns the group starts.
+inline std::vector<int64_t> check_bf16_product(const char* op, const at::Tensor& a, const at::Tensor& b,
+                                               const at::Tensor& group_ends, const at::Tensor& out, int64_t depth,
+                                               int64_t width) {
+  check_bf16_operand(a, "a", 2), check_bf16_operand(b, "b", 3), check_bf16_operand(out, "out", 2);
+  TORCH_CHECK(a.size(1) == depth && out.size(0) == a.size(0) && out.size(1) == width && b.size(0) == group_ends.numel(),
+              op, ": shapes do not match");
+  check_multiple_of_32(depth, "the reduced width"), check_multiple_of_32(width, "the output width");
+  return starts_of(group_ends, a.size(0));
+}
+
+// tn: a[M, height] and b[M, width] into out[E, height, width]; returns the group starts.
+inline std::vector<int64_t> check_bf16_weight_gradient(const char* op, const at::Tensor& a, const at::Tensor& b,
+                                                       const at::Tensor& group_ends, const at::Tensor& out) {
+  check_bf16_operand(a, "a", 2), check_bf16_operand(b, "b", 2), check_bf16_operand(out, "out", 3);
+  const int64_t height = a.size(1), width = b.size(1);
+  TORCH_CHECK(b.size(0) == a.size(0) && out.size(0) == group_ends.numel() && out.size(1) == height &&
+                  out.size(2) == width,
+              op, ": shapes do not match");
+  check_multiple_of_32(height, "the output height"), check_multiple_of_32(width, "the output width");
+  return starts_of(group_ends, a.size(0));
+}
+
+inline const uint16_t* bf16_bits(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::BFloat16>());
+}
+inline uint16_t* bf16_bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr<at::BFloat16>()); }
+
 // Zeroes `bytes` bytes at dst. With `streaming` (dst 64-byte aligned) the whole 64-byte lines are
 // written with streaming stores, which skip reading the lines first; the caller fences before
 // its results are read (an empty expert's weight gradient is the largest write of a skewed call:
