@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from moe_gmm import grouped_matmul
@@ -480,6 +480,9 @@ def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512):
     transposed_weight=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+# widths past both panel sizes (512 and 1024 columns), with bands of 16 weight rows and without
+@example(counts=[3, 20, 0, 7], k=40, n=1100, max_rows=64, transposed_weight=False, seed=0)
+@example(counts=[1, 2], k=16, n=600, max_rows=16, transposed_weight=True, seed=1)
 def test_avx512_few_rows_products_vs_float64_and_eager(avx512, counts, k, n, max_rows, transposed_weight, seed):
     # Both kernels on both passes: nn is the forward of [E, K, N] and the grad_input of [E, N, K],
     # nt the other two. Depths not a multiple of 4 (nn's row step) or 16 (nt's vector), widths past
