@@ -312,7 +312,7 @@ def test_bf16_kernels_hand_large_experts_to_library_gemms(bf16_family, monkeypat
 
 
 def test_bf16_kernels_take_experts_of_hundreds_of_rows(bf16_family, monkeypatch):
-    # the AVX-512 nn kernel keeps at most 256 rows' sums at a time and reads the panel again past that
+    # the AVX-512 nn kernel keeps at most 192 rows' sums at a time and reads the panel again past that
     for limit in BF16_LIMITS[bf16_family]:
         monkeypatch.setattr(cpu, limit, 10**9)
     _check([300, 2, 530], 64, 96, torch.bfloat16, transposed_weight=False)
