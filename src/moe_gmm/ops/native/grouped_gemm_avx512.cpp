@@ -289,10 +289,7 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
   // sums, within 128 KiB): a band then covers whole rows of a 1024-wide weight, one stream instead
   // of 16 half rows 4 KiB apart (E256 with 4 rows, K256 N1024: 6.1 against 6.6 ms; with 64-row
   // experts 1024 ran 1-2% slower).
-  int64_t largest = 0;
-  for (size_t e = 0; e + 1 < starts.size(); ++e)
-    if (const int64_t rows = starts[e + 1] - starts[e]; rows <= max_rows) largest = std::max(largest, rows);
-  const int64_t step = largest <= 32 ? 2 * kStreamColumns : kStreamColumns;
+  const int64_t step = moe_gmm_gemm::largest_group(starts, max_rows) <= 32 ? 2 * kStreamColumns : kStreamColumns;
   few_rows_tasks(starts, max_rows, width, step, tasks, cost);
   run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const moe_gmm_gemm::Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0, cols = task.end - task.begin;

@@ -300,9 +300,7 @@ void avx512_bf16_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Ten
   uint16_t* op = bf16_bits(out);
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
   // the widest panel (a multiple of 32 columns) whose float32 sums fit the scratch
-  int64_t largest = 1;
-  for (size_t e = 0; e + 1 < starts.size(); ++e)
-    if (const int64_t rows = starts[e + 1] - starts[e]; rows <= max_rows) largest = std::max(largest, rows);
+  const int64_t largest = std::max<int64_t>(1, moe_gmm_gemm::largest_group(starts, max_rows));
   const int64_t step = std::max<int64_t>(32, std::min(kNNColumns, kScratchFloats / largest / 32 * 32));
   const int64_t rows_per_pass = kScratchFloats / step;  // past that (over 192 rows) the panel is read again
   std::vector<Task> tasks;

@@ -37,6 +37,15 @@ inline std::vector<int64_t> starts_of(const at::Tensor& group_ends, int64_t rows
   return starts;
 }
 
+// The most rows of any expert with at most max_rows rows (0 where none has): what a kernel taking
+// those experts sizes its panels by.
+inline int64_t largest_group(const std::vector<int64_t>& starts, int64_t max_rows) {
+  int64_t largest = 0;
+  for (size_t e = 0; e + 1 < starts.size(); ++e)
+    if (const int64_t rows = starts[e + 1] - starts[e]; rows <= max_rows) largest = std::max(largest, rows);
+  return largest;
+}
+
 // The bfloat16 kernels' operands (AMX, AVX-512 BF16): a `dim`-d bfloat16 CPU tensor with a
 // contiguous last dimension, and reduced and output widths that are multiples of 32.
 inline void check_bf16_operand(const at::Tensor& t, const char* name, int64_t dim) {
