@@ -245,3 +245,16 @@ def test_swiglu_saturates_like_float64_for_large_gates():
     assert torch.isfinite(y).all() and torch.isfinite(dx).all()
     torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-30)
     torch.testing.assert_close(dx.double(), dx64, rtol=1e-5, atol=1e-30)
+
+
+def test_cpuinfo_value_reads_the_first_matching_line():
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        assert native.cpuinfo_value("flags") is None
+        return
+    lines = [line for line in cpuinfo.read_text().splitlines() if line.startswith(("flags", "Features"))]
+    expected = lines[0].split(":", 1)[1].strip() if lines else None
+    assert native.cpuinfo_value("flags", "Features") == expected
+    assert native.cpuinfo_value("no such field in cpuinfo") is None

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from moe_gmm.ops.native import cpuinfo_value
+
 __all__ = ["Limits", "MachineInfo", "describe_machine", "measure_limits", "roofline_floor"]
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
@@ -68,13 +70,7 @@ class MachineInfo:
 
 
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
+    return cpuinfo_value("model name") or platform.processor() or platform.machine() or "unknown"
 
 
 def _blas_description() -> str:

@@ -67,7 +67,6 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -161,22 +160,11 @@ AVX512_BF16_NT_MAX_ROWS = 128
 AVX512_BF16_GRAD_WEIGHT_MAX_ROWS = 128
 
 
-def _cpu_vendor() -> str:
-    """``vendor_id`` of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or "" where unreadable."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 # MKL runs its generic x86 code on AMD CPUs (its verbose log names "Intel(R) Architecture
 # processors" where an Intel CPU gets its AVX-512 code): on 2 Zen 5 cores its float32 GEMM peaks at
 # 227-240 GFLOP/s, where the AVX-512 grad_weight kernel runs 440. So there the float32 kernels
 # below take larger experts than on Intel, where the limits were measured against MKL's AVX-512.
-MKL_GENERIC_CODE = _cpu_vendor() == "AuthenticAMD"
+MKL_GENERIC_CODE = native.cpuinfo_value("vendor_id") == "AuthenticAMD"
 # The float32 grad_weight kernel (AVX-512). Against MKL's loop (Intel Xeon, 2 threads, ms MKL/kernel):
 # E256 4 rows K1024 N512 31.0/23.7; E128 64 rows K = N = 1024 115.5/82.1; E64 128 rows 77.9/71.2;
 # E32 256 rows 58.3/77.1. Against one GEMM per expert on a thread each the results set ran the

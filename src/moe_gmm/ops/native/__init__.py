@@ -73,14 +73,23 @@ def compiler() -> str | None:
     return None
 
 
-def _cpu_signature() -> str:
-    # -march=native code must not run on another CPU: the CPU's flags are part of the cache key.
+def cpuinfo_value(*keys: str) -> str | None:
+    """The value of the first /proc/cpuinfo line starting with one of ``keys``, or None (no such line,
+    or no /proc/cpuinfo: not Linux)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
+            if line.startswith(keys):
+                return line.split(":", 1)[1].strip() if ":" in line else ""
     except OSError:
         pass
+    return None
+
+
+def _cpu_signature() -> str:
+    # -march=native code must not run on another CPU: the CPU's flags are part of the cache key.
+    flags = cpuinfo_value("flags", "Features")
+    if flags is not None:
+        return flags
     import platform
 
     return platform.processor() or platform.machine()
