@@ -21,6 +21,7 @@ from moe_gmm.bench.memory import (
     unique_storage_bytes,
 )
 from moe_gmm.bench.moe_layer import case_set, layer_impls
+from moe_gmm.ops import host_cache
 
 LIMITS = Limits(peak_flops={"fp32": 1e11, "bf16": 2e11}, copy_bandwidth=1e10, gemm_sizes=(64,), copy_mib=1)
 
@@ -78,6 +79,25 @@ def test_linear_in_a_fresh_process_sees_its_weights():
     assert record["held_bytes"] > 0 and record["baseline_rss_bytes"] > 0
     assert math.isfinite(record["ratio"]) and record["ratio"] > 0
     assert record["threads"] == 1 and isinstance(record["malloc_env"], dict)
+
+
+def test_full_priming_runs_the_same_layer_and_says_so():
+    spec = {"rows": 256, "inner": 1024, "cols": 1024, "dtype": "fp32"}
+    record = measure_in_subprocess("linear", spec, threads=1, prime="full")
+    assert record["prime"] == "full" and record["note"] == ""
+    assert record["weights_bytes"] == 1024 * 1024 * 4 and record["peak_bytes"] >= record["weights_bytes"]
+    with pytest.raises(ValueError, match="prime"):
+        measure_in_subprocess("linear", spec, prime="half")
+
+
+def test_priming_returns_the_host_cache_memory():
+    # A priming step's cached outputs would otherwise be handed to the measured step, unseen.
+    case = case_set("tiny")[0]
+    spec = {"case": {**case.params(), "num_tokens": 512, "hidden": 1024}, "dtype": "fp32", "impl": "moe_gmm"}
+    make_job, _ = memory.KINDS["moe_layer"]
+    host_cache.clear()
+    memory._prime(make_job(spec))
+    assert host_cache.stats().storages == 0
 
 
 def test_unavailable_reset_reports_no_peak(monkeypatch):

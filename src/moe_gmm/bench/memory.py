@@ -38,8 +38,14 @@ Not seen by ``budget``: tensors an autograd function keeps as plain ``ctx`` attr
 ``save_for_backward`` (moe-gmm's ops keep only Python scalars there). The step's output ``y`` is in
 ``peak`` while the backward runs but in ``budget`` only where autograd saved it.
 
+``--prime full`` primes with one step of the same layer at full size instead (its weights dropped,
+:func:`moe_gmm.ops.host_cache.clear` and ``malloc_trim`` after it): what stays from that step is the
+process's one-time state for these shapes (oneDNN's compiled kernels and primitive cache, per-thread
+scratch of native kernels), which then falls in the baseline. The difference between the two primings
+is that state's share of ``peak``; the record says which priming it ran under (``prime``).
+
 Run one measurement: ``python -m moe_gmm.bench.memory moe_layer '{"case": {...}, "dtype": "bf16",
-"impl": "moe_gmm"}' --threads 2`` prints one JSON line. Kinds: ``moe_layer`` (a
+"impl": "moe_gmm"}' --threads 2 [--prime full]`` prints one JSON line. Kinds: ``moe_layer`` (a
 :class:`~moe_gmm.bench.moe_layer.MoeLayerCase` and one of its implementations) and ``linear``
 (``sigmoid(x @ w)``, a layer with nothing to hide, to calibrate the measure).
 """
@@ -69,6 +75,7 @@ from moe_gmm.bench.machine import DTYPE_NAMES
 __all__ = [
     "KINDS",
     "MEMORY_CAPTION",
+    "PRIMINGS",
     "TARGET_RATIO",
     "Budget",
     "Peak",
@@ -200,11 +207,21 @@ class Peak:
 Job = tuple[Callable[[], Workload], torch.Tensor]  # (build the layer, upstream gradient dy)
 
 
+PRIMINGS = ("tiny", "full")
+
+
 def _prime(job: Job) -> None:
-    """One step on a throwaway layer: lazy imports and one-time initialisation happen here."""
+    """One step on a throwaway layer: lazy imports and one-time initialisation happen here.
+
+    Memory the step left in :mod:`moe_gmm.ops.host_cache` is returned: a full-size priming would
+    otherwise hand the measured step ready storages that its own first step has to allocate.
+    """
+    from moe_gmm.ops import host_cache
+
     build, grad_out = job
     grads = _timed_callable(build(), "fwdbwd", grad_out)()
     del grads
+    host_cache.clear()
 
 
 def measure_peak(build: Callable[[], Workload], grad_out: torch.Tensor) -> tuple[Peak, Workload]:
@@ -324,13 +341,17 @@ KINDS: dict[str, tuple[Callable[[dict[str, Any]], Job], Callable[[dict[str, Any]
 
 
 def measure_in_subprocess(
-    kind: str, spec: dict[str, Any], *, threads: int | None = None, timeout_s: float = 1800.0
+    kind: str, spec: dict[str, Any], *, threads: int | None = None, prime: str = "tiny", timeout_s: float = 1800.0
 ) -> dict[str, Any]:
-    """Run one measurement in a fresh Python process (``threads``: default this process's setting)."""
+    """Run one measurement in a fresh Python process (``threads``: default this process's setting;
+    ``prime``: ``tiny`` or ``full``, see the module's docstring)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
+    if prime not in PRIMINGS:
+        raise ValueError(f"prime must be one of {PRIMINGS}, got {prime!r}")
     threads = threads or torch.get_num_threads()
     cmd = [sys.executable, "-m", "moe_gmm.bench.memory", kind, json.dumps(spec), "--threads", str(threads)]
+    cmd += ["--prime", prime]
     env = dict(os.environ)
     # The child imports this very package, wherever it came from (a source tree or site-packages).
     root = str(Path(__file__).resolve().parents[2])
@@ -406,14 +427,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("kind", choices=sorted(KINDS))
     p.add_argument("spec", help="JSON object describing the workload (see the kind's builder)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument(
+        "--prime",
+        choices=PRIMINGS,
+        default="tiny",
+        help="prime with one step on tiny matrices (default) or on the same layer at full size, so the "
+        "process's one-time state for these shapes falls in the baseline",
+    )
     args = p.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     make_job, tiny = KINDS[args.kind]
     spec = json.loads(args.spec)
-    prime = make_job(tiny(spec))
+    prime = make_job(tiny(spec) if args.prime == "tiny" else spec)
     job = make_job(spec)  # creates dy: before the baseline
-    print(json.dumps(measure_workload(job, prime=prime)), flush=True)
+    print(json.dumps({**measure_workload(job, prime=prime), "prime": args.prime}), flush=True)
     return 0
 
 
