@@ -104,20 +104,21 @@ constexpr auto block_table(std::integer_sequence<int, I...>) {
 constexpr auto kBlocks = block_table<false>(std::make_integer_sequence<int, kRows>{});
 constexpr auto kStreamingBlocks = block_table<true>(std::make_integer_sequence<int, kRows>{});
 
+// nt: how far ahead the weight rows are prefetched (bytes), as in the bf16 kernels.
+constexpr int64_t kNTPrefetchBytes = 8192;
+
 // out[m, j] = <a row m, b row j> for G rows of a (lda apart) and the two rows j, j + 1 of b (ldb
 // apart; `pair` false: row j alone), over depth values; each b vector is loaded once for the G rows.
-// With `next`, the two b rows after the pair are prefetched as it goes.
+// With `next`, rows next + i * ldb for i = pf_first, pf_first + pf_step, ... < 2 are prefetched as it goes.
 template <int G>
 inline void dot_rows(const float* a, int64_t lda, const float* b, int64_t ldb, bool pair, const float* next,
-                     int64_t depth, float* out, int64_t ldo) {
+                     int pf_first, int pf_step, int64_t depth, float* out, int64_t ldo) {
   __m512 acc[G][2];
   for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
   const float* b1 = pair ? b + ldb : b;
   for (int64_t d = 0; d < depth; d += kLanes) {
-    if (next != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + d), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(next + ldb + d), _MM_HINT_T0);
-    }
+    if (next != nullptr)
+      for (int i = pf_first; i < 2; i += pf_step) _mm_prefetch(reinterpret_cast<const char*>(next + i * ldb + d), _MM_HINT_T0);
     const __mmask16 m = tail_mask(depth - d);
     const __m512 w0 = _mm512_maskz_loadu_ps(m, b + d), w1 = _mm512_maskz_loadu_ps(m, b1 + d);
     for (int g = 0; g < G; ++g) {
@@ -132,7 +133,8 @@ inline void dot_rows(const float* a, int64_t lda, const float* b, int64_t ldb, b
   }
 }
 
-using DotFn = void (*)(const float*, int64_t, const float*, int64_t, bool, const float*, int64_t, float*, int64_t);
+using DotFn = void (*)(const float*, int64_t, const float*, int64_t, bool, const float*, int, int, int64_t, float*,
+                       int64_t);
 constexpr int kDotRows = 8;  // rows of a per pass: 8 x 2 accumulators, 2 weight vectors, 1 of a
 constexpr std::array<DotFn, kDotRows> kDots = {&dot_rows<1>, &dot_rows<2>, &dot_rows<3>, &dot_rows<4>,
                                                &dot_rows<5>, &dot_rows<6>, &dot_rows<7>, &dot_rows<8>};
@@ -291,20 +293,25 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
   // experts 1024 ran 1-2% slower).
   const int64_t step = moe_gmm_gemm::largest_group(starts, max_rows) <= 32 ? 2 * kStreamColumns : kStreamColumns;
   few_rows_tasks(starts, max_rows, width, step, tasks, cost);
+  const int64_t b_elements = b.size(0) * lde;
   run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const moe_gmm_gemm::Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0, cols = task.end - task.begin;
     const float* w = bp + task.expert * lde + task.begin;
     float* o = op + m0 * ldo + task.begin;
+    // The last band prefetches the first band of the next panel or expert, usually this thread's next task.
+    const int64_t following_offset = task.end < width ? task.expert * lde + task.end : (task.expert + 1) * lde;
+    const float* following = following_offset < b_elements ? bp + following_offset : nullptr;
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
     int64_t k = 0;
     for (; k + kWideRows <= depth; k += kWideRows) {
       const float* band = w + k * ldb;
       const bool last = k + 2 * kWideRows > depth;
+      const float* ahead = !last ? band + kWideRows * ldb : (k + kWideRows == depth ? following : nullptr);
       for (int64_t j = 0; j < cols; j += kLanes) {
         // the next band's lines, a band ahead (the weight is read once: nothing else brings them in)
-        if (!last)
+        if (ahead != nullptr)
           for (int q = 0; q < kWideRows; ++q)
-            _mm_prefetch(reinterpret_cast<const char*>(band + (kWideRows + q) * ldb + j), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + q * ldb + j), _MM_HINT_T0);
         const __mmask16 m = tail_mask(cols - j);
         __m512 wv[kWideRows];
         for (int q = 0; q < kWideRows; ++q) wv[q] = _mm512_maskz_loadu_ps(m, band + q * ldb + j);
@@ -353,15 +360,25 @@ void avx512_gemm_nt_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
   std::vector<moe_gmm_gemm::Task> tasks;
   std::vector<double> cost;
   few_rows_tasks(starts, max_rows, width, kPanelRows, tasks, cost);
+  const bool contiguous = lde == width * ldb;
+  const int64_t b_elements = b.size(0) * lde;
   run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const moe_gmm_gemm::Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
     const float* w = bp + task.expert * lde;
+    // Each pass over the expert's rows prefetches its share of the next rows kNTPrefetchBytes
+    // ahead, past the panel's end too where the weight goes on with this thread's next task.
+    const int64_t groups = (rows + kDotRows - 1) / kDotRows;
+    const int prefetch_step = static_cast<int>(std::min<int64_t>(groups, 2));
+    const int64_t ahead = 2 * std::max<int64_t>(1, kNTPrefetchBytes / (2 * depth * 4));
     for (int64_t j = task.begin; j < task.end; j += 2) {
       const bool pair = j + 1 < task.end;
-      const float* next = j + 3 < task.end ? w + (j + 2) * ldb : nullptr;
-      for (int64_t r = 0; r < rows; r += kDotRows) {
+      const int64_t next_offset = task.expert * lde + (j + ahead) * ldb;
+      const bool prefetch = contiguous ? next_offset + ldb < b_elements : j + ahead + 1 < task.end;
+      const float* next = prefetch ? bp + next_offset : nullptr;
+      for (int64_t r = 0, q = 0; r < rows; r += kDotRows, ++q) {
         const int64_t g = std::min<int64_t>(kDotRows, rows - r);
-        kDots[g - 1](ap + (m0 + r) * lda, lda, w + j * ldb, ldb, pair, r == 0 ? next : nullptr, depth,
+        const float* pf = q < 2 ? next : nullptr;
+        kDots[g - 1](ap + (m0 + r) * lda, lda, w + j * ldb, ldb, pair, pf, static_cast<int>(q), prefetch_step, depth,
                      op + (m0 + r) * ldo + j, ldo);
       }
     }
