@@ -354,7 +354,8 @@ void avx512_bf16_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Ten
       // Past the task's range a contiguous weight goes on with the next panel or expert's rows,
       // usually this thread's next task.
       const int64_t next_offset = task.expert * lde + (j + ahead) * ldb;
-      const bool prefetch = contiguous ? next_offset < b_elements : j + ahead < task.end;
+      const bool prefetch =
+          contiguous ? next_offset + (kDotColumns - 1) * ldb < b_elements : j + ahead + kDotColumns <= task.end;
       const uint16_t* next = prefetch ? bp + next_offset : nullptr;
       for (int64_t r = 0, q = 0; r < rows; r += kDotRows, ++q) {
         const int64_t g = std::min<int64_t>(kDotRows, rows - r);
