@@ -299,8 +299,7 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
     const float* w = bp + task.expert * lde + task.begin;
     float* o = op + m0 * ldo + task.begin;
     // The last band prefetches the first band of the next panel or expert, usually this thread's next task.
-    const int64_t following_offset = task.end < width ? task.expert * lde + task.end : (task.expert + 1) * lde;
-    const float* following = following_offset < b_elements ? bp + following_offset : nullptr;
+    const float* following = moe_gmm_gemm::following_panel(bp, task, width, lde, b_elements);
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
     int64_t k = 0;
     for (; k + kWideRows <= depth; k += kWideRows) {

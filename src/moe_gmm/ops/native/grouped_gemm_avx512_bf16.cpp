@@ -319,8 +319,7 @@ void avx512_bf16_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Ten
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
     // The last band prefetches the first band of the next panel or expert, usually this thread's
     // next task (E256 with 4-16 rows per expert: 1.06x faster).
-    const int64_t following_offset = task.end < width ? task.expert * lde + task.end : (task.expert + 1) * lde;
-    const uint16_t* following = following_offset < b_elements ? bp + following_offset : nullptr;
+    const uint16_t* following = moe_gmm_gemm::following_panel(bp, task, width, lde, b_elements);
     for (int64_t r = 0; r < rows; r += rows_per_pass)
       nn_panel(ap + (m0 + r) * lda, lda, std::min(rows_per_pass, rows - r), bp + task.expert * lde + task.begin, ldb,
                depth, task.end - task.begin, op + (m0 + r) * ldo + task.begin, ldo,

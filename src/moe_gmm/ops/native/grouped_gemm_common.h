@@ -22,6 +22,15 @@ struct Task {
   int64_t expert, begin, end;  // the expert, and the output columns or rows [begin, end) it owns
 };
 
+// Where the weight panel after `task`'s starts in b[E, depth, width] (expert stride lde, lde *
+// E elements in all): the next panel of its expert, or the next expert's first; null past the end.
+// Tasks run in that order on a thread, so the nn kernels prefetch it while finishing `task`.
+template <typename T>
+const T* following_panel(const T* b, const Task& task, int64_t width, int64_t lde, int64_t elements) {
+  const int64_t offset = task.end < width ? task.expert * lde + task.end : (task.expert + 1) * lde;
+  return offset < elements ? b + offset : nullptr;
+}
+
 // [0, end_0, ..., end_{E-1}] from group_ends[E], checked against the `rows` rows of the input.
 inline std::vector<int64_t> starts_of(const at::Tensor& group_ends, int64_t rows) {
   TORCH_CHECK(group_ends.device().is_cpu() && group_ends.scalar_type() == at::kLong && group_ends.dim() == 1 &&
