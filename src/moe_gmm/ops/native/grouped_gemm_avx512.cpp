@@ -1,5 +1,6 @@
 // float32 grouped matmul kernels on AVX-512, every expert in one parallel region: the weight
-// gradient out[e] = a[rows_e]^T @ b[rows_e], and the forward of experts of few rows.
+// gradient out[e] = a[rows_e]^T @ b[rows_e], and the products with the weight of experts up to a
+// row limit.
 //
 // Why: MKL runs this product at 160-170 GFLOP/s for experts of 64 rows (2 threads, K = N = 1024)
 // against 440 on one large GEMM, and a loop forks and joins its threads once per expert. Here the
@@ -15,8 +16,11 @@
 //       out[e] = a[rows_e]^T @ b[rows_e]; zero for an empty expert; experts of more than max_rows
 //       rows are left untouched for the caller (past about 128 rows MKL is faster).
 //   avx512_gemm_nn_few_rows(a[M,R], b[E,R,J], group_ends, max_rows, out[M,J])
-//       out[rows_e] = a[rows_e] @ b[e] for experts of 1..max_rows rows, others untouched (see the
-//       function: it streams the weight once; past 16-32 rows MKL is faster).
+//       out[rows_e] = a[rows_e] @ b[e] for experts of 1..max_rows rows, others untouched. Under 32
+//       rows it streams the weight once in bands; from 32 rows on, 6 x 64 blocks of the output
+//       keep their sums in registers over 256 of the depth at a time. On Intel, past 16-32 rows
+//       MKL's AVX-512 code is faster; on AMD, where MKL runs generic code, the blocks are ahead
+//       of it at every size measured.
 //   avx512_gemm_nt_few_rows(a[M,R], b[E,J,R], group_ends, max_rows, out[M,J])
 //       out[rows_e] = a[rows_e] @ b[e]^T for experts of 1..max_rows rows, others untouched: the
 //       grad_input of an [E, K, N] weight (b is the weight as stored), streaming it once.
@@ -50,8 +54,28 @@ constexpr int kVectors = 4;  // 64 output columns per block
 constexpr int kColumns = kLanes * kVectors;
 constexpr int kRows = 6;     // 6 x 4 accumulators (+ 4 loaded vectors + 1 broadcast of 32 registers)
 constexpr int64_t kPanel = 48;
+// nn for experts of many rows: the depth taken per pass of the 6 x 64 blocks. Against 64 and the
+// whole depth (2 threads, experts of 64-1024 rows, K1024 N512, standalone): 256 ran 291-414
+// GFLOP/s, 64 263-387, 1024 200-368.
+constexpr int64_t kNNDepthChunk = 256;
+// nn: experts of this many rows or more take the 6 x 64 blocks instead of the weight bands (whose
+// passes over 4 output rows reload the broadcast input per column: 40% of the multiply-add rate).
+// In one process, taking turns with the bands alone (forward, ms): E128 k2 T4096 gate_up 83.5 ->
+// 57.7, down 40.2 -> 29.0; E64 the same; E256 T512 (16 rows each) even at 32, 0.84x at 16; 64
+// left E128's 64-row experts half on the bands (69.7 ms).
+constexpr int64_t kNNManyRows = 32;
 
 inline __mmask16 tail_mask(int64_t n) { return n >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// *p in every lane, loaded into a register first. Left to itself GCC folds _mm512_set1_ps(*p) into
+// the multiply-add as an embedded-broadcast operand ({1to16}), which Zen 5 issues at 40% of the
+// multiply-add rate (16 independent sums: 0.30 against 0.12 ns per multiply-add); a broadcast load
+// is a plain load on every x86 core.
+inline __m512 broadcast(const float* p) {
+  __m512 v = _mm512_set1_ps(*p);
+  asm("" : "+v"(v));
+  return v;
+}
 
 // c[i, 0:16*NV] = sum_m a[m*lda + i] * b[m*ldb, 0:16*NV] for i < MR and m < depth; the last
 // vector masked by tail.
@@ -143,6 +167,68 @@ using moe_gmm_gemm::run_tasks;
 
 // One task per (expert, range of `step` output columns or weight rows) for experts of 1..max_rows
 // rows; cost: the rows plus a constant for reading the range of the weight.
+// c[i, 0:16*NV] (+)= sum_m x[i*ldx + m] * w[m*ldw, 0:16*NV] for i < MR and m < depth (added to c's
+// values with `accumulate`); the last vector masked by tail. The MR x NV sums stay in registers
+// over the depth; each w vector loaded serves MR multiply-adds.
+template <int MR, int NV>
+void nn_block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* c, int64_t ldc, int64_t depth,
+              __mmask16 tail, bool accumulate) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __mmask16 m = v == NV - 1 ? tail : __mmask16(0xFFFF);
+      acc[i][v] = accumulate ? _mm512_maskz_loadu_ps(m, c + i * ldc + kLanes * v) : _mm512_setzero_ps();
+    }
+  for (int64_t d = 0; d < depth; ++d) {
+    const float* wd = w + d * ldw;
+    __m512 wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      wv[v] = v == NV - 1 ? _mm512_maskz_loadu_ps(tail, wd + kLanes * v) : _mm512_loadu_ps(wd + kLanes * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = broadcast(x + i * ldx + d);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xv, wv[v], acc[i][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_mask_storeu_ps(c + i * ldc + kLanes * v, v == NV - 1 ? tail : 0xFFFF, acc[i][v]);
+}
+
+using NNBlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, __mmask16, bool);
+template <int... I>
+constexpr auto nn_block_table(std::integer_sequence<int, I...>) {
+  // [rows - 1][vectors - 1]
+  return std::array<std::array<NNBlockFn, kVectors>, sizeof...(I)>{
+      {{&nn_block<I + 1, 1>, &nn_block<I + 1, 2>, &nn_block<I + 1, 3>, &nn_block<I + 1, 4>}...}};
+}
+constexpr auto kNNBlocks = nn_block_table(std::make_integer_sequence<int, kRows>{});
+
+// out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:depth, 0:cols] for an expert of many rows: 6 x 64
+// blocks of the output, each over kNNDepthChunk of the depth with its 24 sums in registers (the
+// chunk's 64-column strip of the weight is read from L2 by every 6 rows after the first).
+void nn_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
+                  float* o, int64_t ldo) {
+  for (int64_t k0 = 0; k0 < depth; k0 += kNNDepthChunk) {
+    const int64_t chunk = std::min(kNNDepthChunk, depth - k0);
+    for (int64_t j = 0; j < cols; j += kColumns) {
+      const int64_t width = std::min<int64_t>(kColumns, cols - j);
+      const int vectors = static_cast<int>((width + kLanes - 1) / kLanes);
+      const __mmask16 tail = tail_mask(width - kLanes * (vectors - 1));
+      for (int64_t r = 0; r < rows; r += kRows) {
+        const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - r));
+        kNNBlocks[mr - 1][vectors - 1](x + r * ldx + k0, ldx, w + k0 * ldw + j, ldw, o + r * ldo + j, ldo, chunk, tail,
+                                       k0 > 0);
+      }
+    }
+  }
+}
+
 void few_rows_tasks(const std::vector<int64_t>& starts, int64_t max_rows, int64_t width, int64_t step,
                     std::vector<moe_gmm_gemm::Task>& tasks, std::vector<double>& cost) {
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(starts.size()); ++e) {
@@ -269,11 +355,12 @@ inline void accumulate_wide_band(const __m512 (&w)[16], const float* x, int64_t 
 
 // out[rows_e, :] = a[rows_e] @ b[e] for experts of 1..max_rows rows (others untouched), b[E, R, J]
 // with J contiguous. For the few rows per expert of many-expert layers the product is bound by
-// reading b once: each task streams bands of 4 rows of its expert's weight, front to back, with
+// reading b once: each task streams bands of 16 rows of its expert's weight, front to back, with
 // the next band prefetched, and accumulates into its output rows, which stay in L1, 4 output rows
 // per pass over a band (each band vector loaded once for the 4). One output row per pass and no
 // prefetch ran 1.2-1.45x slower (E256, K1024 N512: 16 rows 52 against 39.5 ms, 4 rows 28.6
-// against 21.8; the 16-row case was bound by the loads, 5 per 4 multiply-adds).
+// against 21.8; the 16-row case was bound by the loads, 5 per 4 multiply-adds). Experts of
+// kNNManyRows rows and more are bound by the multiply-adds instead: nn_many_rows.
 void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
                              at::Tensor& out) {
   const int64_t depth = b.size(1), width = b.size(2);
@@ -300,6 +387,10 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
     float* o = op + m0 * ldo + task.begin;
     // The last band prefetches the first band of the next panel or expert, usually this thread's next task.
     const float* following = moe_gmm_gemm::following_panel(bp, task, width, lde, b_elements);
+    if (rows >= kNNManyRows) {
+      nn_many_rows(ap + m0 * lda, lda, rows, w, ldb, depth, cols, o, ldo);
+      return;
+    }
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
     int64_t k = 0;
     for (; k + kWideRows <= depth; k += kWideRows) {
