@@ -483,8 +483,9 @@ def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512):
 # widths past both panel sizes (512 and 1024 columns), with bands of 16 weight rows and without
 @example(counts=[3, 20, 0, 7], k=40, n=1100, max_rows=64, transposed_weight=False, seed=0)
 @example(counts=[1, 2], k=16, n=600, max_rows=16, transposed_weight=True, seed=1)
-# nn's register blocks for experts of 32 rows and more: row counts off the block's 6, widths off
-# its 64 columns, depths past one chunk of 256 and off it
+# the register blocks for experts of 32 rows and more (nn, and nt through its transposed weight
+# blocks): row counts off the block's 6, widths off its 64 columns and the transpose's 16, depths
+# past one chunk of 256 and off it
 @example(counts=[33, 70, 0, 5, 40], k=300, n=100, max_rows=4096, transposed_weight=False, seed=2)
 @example(counts=[37, 31, 64], k=513, n=40, max_rows=4096, transposed_weight=True, seed=3)
 def test_avx512_few_rows_products_vs_float64_and_eager(avx512, counts, k, n, max_rows, transposed_weight, seed):
@@ -516,13 +517,18 @@ def test_avx512_few_rows_products_write_every_row_under_poison(avx512, poisoned_
     assert cpu._few_rows_product(x[:, : strided.shape[1]], strided, ends) is None
 
 
-def test_avx512_nn_register_blocks_do_not_depend_on_thread_count(avx512, monkeypatch):
+def test_avx512_register_blocks_do_not_depend_on_thread_count(avx512, monkeypatch):
+    # nn (forward of [E, K, N]) and nt (its grad_input) on experts of 32 rows and more
     monkeypatch.setattr(cpu, "AVX512_NN_MAX_ROWS", 4096)
+    monkeypatch.setattr(cpu, "AVX512_NT_MAX_ROWS", 4096)
     counts = [40, 0, 70, 3, 33]
     x, w, _ = gmm_inputs(counts, 300, 130)
+    dy = torch.randn(x.shape[0], 130)
     ends = torch.tensor(counts).cumsum(0)
     assert cpu._few_rows_product(x, w, ends) is not None
+    assert cpu._few_rows_product(dy, w.transpose(1, 2), ends) is not None
     _same_at_every_thread_count(lambda: get_backend("cpu").forward(x, w, ends))
+    _same_at_every_thread_count(lambda: get_backend("cpu").grad_input(dy, w, ends))
 
 
 def test_avx512_nt_few_rows_does_not_depend_on_thread_count(avx512):

@@ -23,7 +23,9 @@
 //       of it at every size measured.
 //   avx512_gemm_nt_few_rows(a[M,R], b[E,J,R], group_ends, max_rows, out[M,J])
 //       out[rows_e] = a[rows_e] @ b[e]^T for experts of 1..max_rows rows, others untouched: the
-//       grad_input of an [E, K, N] weight (b is the weight as stored), streaming it once.
+//       grad_input of an [E, K, N] weight (b is the weight as stored). Under 16 rows it streams
+//       the weight once as dot products; from 16 rows on, blocks of the weight transposed in a
+//       thread's buffer feed the nn blocks.
 // Each output element is one float32 sum over the expert's rows in order, computed by one task, so
 // results do not depend on the thread count.
 
@@ -39,6 +41,7 @@
 #include <vector>
 
 #include "grouped_gemm_common.h"
+#include "simd_transpose.h"
 
 #if defined(__AVX512F__)
 #define MOE_GMM_AVX512 1
@@ -64,6 +67,12 @@ constexpr int64_t kNNDepthChunk = 256;
 // 57.7, down 40.2 -> 29.0; E64 the same; E256 T512 (16 rows each) even at 32, 0.84x at 16; 64
 // left E128's 64-row experts half on the bands (69.7 ms).
 constexpr int64_t kNNManyRows = 32;
+// nt: experts of this many rows or more take the nn blocks over 64 x 256 blocks of the weight
+// transposed in L2 (the dot products of the few-row nt sum each output through a permute tree).
+// In one process, taking turns with the dot products alone (grad_input of [E, K, N], ms): E128 k2
+// T4096 gate_up 98.1 -> 51.9, down 48.5 -> 25.6; E64 the same; E256 T512 (16 rows each) gate_up
+// 27.7 -> 25.3 at 16, even at 32; 64 left E128's 64-row experts half on the dot products (78.9).
+constexpr int64_t kNTManyRows = 16;
 
 inline __mmask16 tail_mask(int64_t n) { return n >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 
@@ -223,6 +232,42 @@ void nn_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int
       for (int64_t r = 0; r < rows; r += kRows) {
         const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - r));
         kNNBlocks[mr - 1][vectors - 1](x + r * ldx + k0, ldx, w + k0 * ldw + j, ldw, o + r * ldo + j, ldo, chunk, tail,
+                                       k0 > 0);
+      }
+    }
+  }
+}
+
+// out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:cols, 0:depth]^T for an expert of many rows: each
+// 64-row, kNNDepthChunk-deep block of w is transposed into a thread-local buffer (16 x 16 blocks in
+// registers), which the nn blocks then read as a weight of 64 contiguous columns.
+void nt_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
+                  float* o, int64_t ldo) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(kNNDepthChunk * kColumns);
+  float* packed = buffer.data();
+  for (int64_t k0 = 0; k0 < depth; k0 += kNNDepthChunk) {
+    const int64_t chunk = std::min(kNNDepthChunk, depth - k0);
+    for (int64_t j = 0; j < cols; j += kColumns) {
+      const int64_t width = std::min<int64_t>(kColumns, cols - j);
+      // packed[d * kColumns + c] = w[(j + c) * ldw + k0 + d]
+      for (int64_t c0 = 0; c0 < width; c0 += kLanes)
+        for (int64_t d0 = 0; d0 < chunk; d0 += kLanes) {
+          const float* src = w + (j + c0) * ldw + k0 + d0;
+          float* dst = packed + d0 * kColumns + c0;
+          if (c0 + kLanes <= width && d0 + kLanes <= chunk) {
+            moe_gmm_simd::transpose_16x16(reinterpret_cast<const uint32_t*>(src), ldw, reinterpret_cast<uint32_t*>(dst),
+                                          kColumns);
+          } else {
+            for (int64_t c = 0; c < std::min<int64_t>(kLanes, width - c0); ++c)
+              for (int64_t d = 0; d < std::min<int64_t>(kLanes, chunk - d0); ++d) dst[d * kColumns + c] = src[c * ldw + d];
+          }
+        }
+      const int vectors = static_cast<int>((width + kLanes - 1) / kLanes);
+      const __mmask16 tail = tail_mask(width - kLanes * (vectors - 1));
+      for (int64_t r = 0; r < rows; r += kRows) {
+        const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - r));
+        kNNBlocks[mr - 1][vectors - 1](x + r * ldx + k0, ldx, packed, kColumns, o + r * ldo + j, ldo, chunk, tail,
                                        k0 > 0);
       }
     }
@@ -455,6 +500,11 @@ void avx512_gemm_nt_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
   run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const moe_gmm_gemm::Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
     const float* w = bp + task.expert * lde;
+    if (rows >= kNTManyRows) {
+      nt_many_rows(ap + m0 * lda, lda, rows, w + task.begin * ldb, ldb, depth, task.end - task.begin,
+                   op + m0 * ldo + task.begin, ldo);
+      return;
+    }
     // Each pass over the expert's rows prefetches its share of the next rows kNTPrefetchBytes
     // ahead, past the panel's end too where the weight goes on with this thread's next task.
     const int64_t groups = (rows + kDotRows - 1) / kDotRows;
