@@ -93,7 +93,10 @@ def _summary_data(report: BenchReport) -> tuple[list[str], list[list[str]]]:
 
 def _header_lines(report: BenchReport) -> list[str]:
     lim = report.limits
-    peaks = ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in lim.peak_flops.items())
+    peaks = ", ".join(
+        f"{k} {v / 1e9:.0f} GFLOP/s" + (f" ({lim.peak_sources[k]})" if k in lim.peak_sources else "")
+        for k, v in lim.peak_flops.items()
+    )
     end = report.load_average_end
     lines = [
         f"machine: {report.machine.one_line()}",
