@@ -66,22 +66,6 @@ def _plan_strategy(counts, dtype):
     return cpu.plan(bounds, dtype).strategy
 
 
-def _assert_as_accurate_as_eager(got, eager, ref, what):
-    """Elementwise, float32: ``got``'s largest error against float64 ``ref`` within 4x the eager
-    loop's (its library GEMMs) plus 1e-6 of ``ref``'s largest value.
-
-    Not a fixed 1e-5 against eager: two correct float32 sums of a thousand terms in different orders
-    differ by more than that where the terms cancel to a small result (outputs up to 50, a reduction
-    of 1100: MKL's loop and a dot-product kernel 1e-5 apart in 4 of 61 random cases)."""
-    if ref.numel() == 0:
-        return
-    ref = ref.double()
-    err = (got.double() - ref).abs().max().item()
-    eager_err = (eager.double() - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    assert err <= 4 * eager_err + 1e-6 * scale, f"{what}: largest error {err:.3g}, eager's {eager_err:.3g}"
-
-
 def _check(counts, k, n, dtype, *, transposed_weight=False, seed=0, expanded_grad=False):
     x, w, group_list = gmm_inputs(counts, k, n, dtype, transposed_weight=transposed_weight, seed=seed)
     tol = tolerance_for(dtype)
@@ -103,10 +87,14 @@ def _check(counts, k, n, dtype, *, transposed_weight=False, seed=0, expanded_gra
     ):
         assert got.dtype == dtype and got.shape == ref.shape
         assert_rel_close(got, ref, tol.rel, f"cpu {what} vs float64")
-        if dtype == torch.float32:
-            _assert_as_accurate_as_eager(got, eager, ref, f"cpu {what}")
-        else:
-            torch.testing.assert_close(got, eager, rtol=tol.rtol, atol=tol.atol, msg=f"cpu {what} vs eager")
+        # Two correct float32 sums of a long reduction in different orders differ by about the eager
+        # loop's own error against float64 where the terms cancel to small outputs (1100 terms:
+        # above 1e-5 for MKL's loop against a dot-product kernel in 4 of 61 random cases), so twice
+        # that error widens atol (the register blocks: 0 of 141 such cases past it, at most 0.4).
+        slack = (
+            2 * (eager.double() - ref.double()).abs().max().item() if dtype == torch.float32 and ref.numel() else 0.0
+        )
+        torch.testing.assert_close(got, eager, rtol=tol.rtol, atol=tol.atol + slack, msg=f"cpu {what} vs eager")
     dw = results["cpu"][2]
     for e, c in enumerate(counts):
         if c == 0:
