@@ -11,7 +11,7 @@ ratio to the *roofline floor*, the least time the work could take on this machin
   BLAS this torch ships: MKL for fp32, oneDNN for bf16) and this library's ``cpu`` backend on one
   expert of n rows. Both count because the floor is the least time on this machine: where the
   BLAS runs generic code (MKL on AMD CPUs, 226-240 GFLOP/s fp32 on 2 Zen 5 cores) the native
-  float32 kernels run about 1.7x faster, and a floor from the BLAS alone would be one they beat.
+  float32 kernels run 1.7-2x faster, and a floor from the BLAS alone would be one they beat.
   ``Limits.peak_sources`` names the GEMM that set each peak.
 - ``copy_bandwidth``: a ``dst.copy_(src)`` of a buffer far larger than the caches, counting one
   read and one write per byte.
