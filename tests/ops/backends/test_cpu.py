@@ -527,6 +527,18 @@ def test_avx512_few_rows_products_write_every_row_under_poison(avx512, poisoned_
     assert cpu._few_rows_product(x[:, : strided.shape[1]], strided, ends) is None
 
 
+@pytest.mark.parametrize("k, n", [(0, 64), (64, 0)], ids=["no_depth_forward", "no_depth_grad_input"])
+def test_avx512_products_over_an_empty_depth_are_zero(avx512, poisoned_memory, k, n):
+    # Experts of few rows (the bands, the dot products) and of many (the register blocks) alike.
+    counts = [40, 0, 20, 3]
+    x, w, _ = gmm_inputs(counts, k, n)
+    dy = torch.randn(x.shape[0], n)
+    ends = torch.tensor(counts).cumsum(0)
+    for _ in range(2):  # first into fresh (NaN) outputs, then into the recycled ones
+        assert bool((get_backend("cpu").forward(x, w, ends) == 0).all())
+        assert bool((get_backend("cpu").grad_input(dy, w, ends) == 0).all())
+
+
 def test_avx512_register_blocks_do_not_depend_on_thread_count(avx512, monkeypatch):
     # nn (forward of [E, K, N]) and nt (its grad_input) on experts of 32 rows and more
     monkeypatch.setattr(cpu, "AVX512_NN_MAX_ROWS", 4096)

@@ -237,6 +237,10 @@ constexpr auto kNNBlocks = nn_block_table(std::make_integer_sequence<int, kRows>
 // chunk's 64-column strip of the weight is read from L2 by every 6 rows after the first).
 void nn_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
                   float* o, int64_t ldo) {
+  if (depth == 0) {  // an empty sum: the blocks below would write nothing
+    for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
+    return;
+  }
   for (int64_t k0 = 0; k0 < depth; k0 += kNNDepthChunk) {
     const int64_t chunk = std::min(kNNDepthChunk, depth - k0);
     for (int64_t j = 0; j < cols; j += kColumns) {
@@ -257,6 +261,10 @@ void nn_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int
 // registers), which the nn blocks then read as a weight of 64 contiguous columns.
 void nt_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
                   float* o, int64_t ldo) {
+  if (depth == 0) {
+    nn_many_rows(x, ldx, rows, w, ldw, depth, cols, o, ldo);
+    return;
+  }
   thread_local std::vector<float> buffer;
   buffer.resize(kNNDepthChunk * kColumns);
   float* packed = buffer.data();
