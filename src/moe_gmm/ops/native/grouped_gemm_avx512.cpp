@@ -232,27 +232,30 @@ constexpr auto nn_block_table(std::integer_sequence<int, I...>) {
 }
 constexpr auto kNNBlocks = nn_block_table(std::make_integer_sequence<int, kRows>{});
 
+// out[0:rows, 0:width] (+)= x[0:rows, 0:depth] @ w[0:depth, 0:width] for width <= 64: the 6 x 64
+// blocks down the expert's rows (added to out's values with `accumulate`).
+void blocks_down_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth,
+                      int64_t width, float* o, int64_t ldo, bool accumulate) {
+  const int vectors = static_cast<int>((width + kLanes - 1) / kLanes);
+  const __mmask16 tail = tail_mask(width - kLanes * (vectors - 1));
+  for (int64_t r = 0; r < rows; r += kRows) {
+    const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - r));
+    kNNBlocks[mr - 1][vectors - 1](x + r * ldx, ldx, w, ldw, o + r * ldo, ldo, depth, tail, accumulate);
+  }
+}
+
 // out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:depth, 0:cols] for an expert of many rows: 6 x 64
 // blocks of the output, each over kNNDepthChunk of the depth with its 24 sums in registers (the
 // chunk's 64-column strip of the weight is read from L2 by every 6 rows after the first).
 void nn_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
                   float* o, int64_t ldo) {
-  if (depth == 0) {  // an empty sum: the blocks below would write nothing
+  if (depth == 0)  // an empty sum: the blocks would write nothing
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
-    return;
-  }
   for (int64_t k0 = 0; k0 < depth; k0 += kNNDepthChunk) {
     const int64_t chunk = std::min(kNNDepthChunk, depth - k0);
-    for (int64_t j = 0; j < cols; j += kColumns) {
-      const int64_t width = std::min<int64_t>(kColumns, cols - j);
-      const int vectors = static_cast<int>((width + kLanes - 1) / kLanes);
-      const __mmask16 tail = tail_mask(width - kLanes * (vectors - 1));
-      for (int64_t r = 0; r < rows; r += kRows) {
-        const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - r));
-        kNNBlocks[mr - 1][vectors - 1](x + r * ldx + k0, ldx, w + k0 * ldw + j, ldw, o + r * ldo + j, ldo, chunk, tail,
-                                       k0 > 0);
-      }
-    }
+    for (int64_t j = 0; j < cols; j += kColumns)
+      blocks_down_rows(x + k0, ldx, rows, w + k0 * ldw + j, ldw, chunk, std::min<int64_t>(kColumns, cols - j), o + j,
+                       ldo, k0 > 0);
   }
 }
 
@@ -261,10 +264,8 @@ void nn_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int
 // registers), which the nn blocks then read as a weight of 64 contiguous columns.
 void nt_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
                   float* o, int64_t ldo) {
-  if (depth == 0) {
-    nn_many_rows(x, ldx, rows, w, ldw, depth, cols, o, ldo);
-    return;
-  }
+  if (depth == 0)
+    for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
   thread_local std::vector<float> buffer;
   buffer.resize(kNNDepthChunk * kColumns);
   float* packed = buffer.data();
@@ -285,13 +286,7 @@ void nt_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int
               for (int64_t d = 0; d < std::min<int64_t>(kLanes, chunk - d0); ++d) dst[d * kColumns + c] = src[c * ldw + d];
           }
         }
-      const int vectors = static_cast<int>((width + kLanes - 1) / kLanes);
-      const __mmask16 tail = tail_mask(width - kLanes * (vectors - 1));
-      for (int64_t r = 0; r < rows; r += kRows) {
-        const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - r));
-        kNNBlocks[mr - 1][vectors - 1](x + r * ldx + k0, ldx, packed, kColumns, o + r * ldo + j, ldo, chunk, tail,
-                                       k0 > 0);
-      }
+      blocks_down_rows(x + k0, ldx, rows, packed, kColumns, chunk, width, o + j, ldo, k0 > 0);
     }
   }
 }
