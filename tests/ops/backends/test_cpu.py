@@ -490,11 +490,12 @@ def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512):
 # widths past both panel sizes (512 and 1024 columns), with bands of 16 weight rows and without
 @example(counts=[3, 20, 0, 7], k=40, n=1100, max_rows=64, transposed_weight=False, seed=0)
 @example(counts=[1, 2], k=16, n=600, max_rows=16, transposed_weight=True, seed=1)
-# the register blocks for experts of 32 rows and more (nn, and nt through its transposed weight
-# blocks): row counts off the block's 6, widths off its 64 columns and the transpose's 16, depths
-# past one chunk of 256 and off it
+# the register blocks for experts of 16 rows and more (nn, and nt through its transposed weight
+# blocks, 64 deep under 128 rows and 256 deep from there): row counts off the block's 6, widths off
+# its 64 columns and the transpose's 16, depths past one chunk of 64 or 256 and off it
 @example(counts=[33, 70, 0, 5, 40], k=300, n=100, max_rows=4096, transposed_weight=False, seed=2)
 @example(counts=[37, 31, 64], k=513, n=40, max_rows=4096, transposed_weight=True, seed=3)
+@example(counts=[130, 17, 0, 3], k=270, n=300, max_rows=4096, transposed_weight=False, seed=4)
 # a reduction of 434 canceling to small outputs: one chain of 434 float32 sums was 4x less accurate
 # than the eager loop here
 @example(counts=[0, 0, 0, 15, 40], k=2, n=434, max_rows=64, transposed_weight=False, seed=19587)
@@ -540,10 +541,10 @@ def test_avx512_products_over_an_empty_depth_are_zero(avx512, poisoned_memory, k
 
 
 def test_avx512_register_blocks_do_not_depend_on_thread_count(avx512, monkeypatch):
-    # nn (forward of [E, K, N]) and nt (its grad_input) on experts of 32 rows and more
+    # nn (forward of [E, K, N]) and nt (its grad_input) on experts of 16 rows and more
     monkeypatch.setattr(cpu, "AVX512_NN_MAX_ROWS", 4096)
     monkeypatch.setattr(cpu, "AVX512_NT_MAX_ROWS", 4096)
-    counts = [40, 0, 70, 3, 33]
+    counts = [40, 0, 70, 3, 33, 130, 17]
     x, w, _ = gmm_inputs(counts, 300, 130)
     dy = torch.randn(x.shape[0], 130)
     ends = torch.tensor(counts).cumsum(0)

@@ -17,8 +17,9 @@
 //       rows are left untouched for the caller (past about 128 rows MKL is faster).
 //   avx512_gemm_nn_few_rows(a[M,R], b[E,R,J], group_ends, max_rows, out[M,J])
 //       out[rows_e] = a[rows_e] @ b[e] for experts of 1..max_rows rows, others untouched. Under 32
-//       rows it streams the weight once in bands; from 32 rows on, 6 x 64 blocks of the output
-//       keep their sums in registers over 256 of the depth at a time. On Intel, past 16-32 rows
+//       rows it streams the weight once in bands; from 16 rows on, 6 x 64 blocks of the output
+//       keep their sums in registers over 256 of the depth at a time, each 64-column strip of the
+//       weight prefetched while the one before it computes. On Intel, past 16-32 rows
 //       MKL's AVX-512 code is faster; on AMD, where MKL runs generic code, the blocks are ahead
 //       of it at every size measured.
 //   avx512_gemm_nt_few_rows(a[M,R], b[E,J,R], group_ends, max_rows, out[M,J])
@@ -70,15 +71,22 @@ constexpr int64_t kPartialDepth = 64;
 // passes over 4 output rows broadcast each input value again per column, as {1to16} operands: about
 // 215 GFLOP/s at 16-64 rows on 2 Zen 5 cores).
 // In one process, taking turns with the bands alone (forward, ms): E128 k2 T4096 gate_up 83.5 ->
-// 57.7, down 40.2 -> 29.0; E64 the same; E256 T512 (16 rows each) even at 32, 0.84x at 16; 64
-// left E128's 64-row experts half on the bands (69.7 ms).
-constexpr int64_t kNNManyRows = 32;
+// 57.7, down 40.2 -> 29.0; E64 the same; 64 left E128's 64-row experts half on the bands (69.7 ms).
+// E256 T512 (16 rows each): 0.84x at 16 until the blocks prefetched the weight's next strip, then
+// 1.06-1.14x (gate_up 18.97 -> 16.67, down 9.42 -> 8.90).
+constexpr int64_t kNNManyRows = 16;
 // nt: experts of this many rows or more take the nn blocks over 64 x 256 blocks of the weight
 // transposed in L2 (the dot products of the few-row nt sum each output through a permute tree).
 // In one process, taking turns with the dot products alone (grad_input of [E, K, N], ms): E128 k2
 // T4096 gate_up 98.1 -> 51.9, down 48.5 -> 25.6; E64 the same; E256 T512 (16 rows each) gate_up
 // 27.7 -> 25.3 at 16, even at 32; 64 left E128's 64-row experts half on the dot products (78.9).
 constexpr int64_t kNTManyRows = 16;
+// nt: experts of fewer rows than this transpose the weight in blocks 64 deep, so that each block's 64
+// rows x 4 lines can be prefetched by the blocks before it. E256 T512 (16 rows) grad_input: gate_up
+// 24.7 -> 20.4 ms, down 12.6 -> 11.1; E128 k2 T4096 (64 rows) 53.0 -> 50.7; at 128 rows and more
+// (E8, and the skewed routing's large experts) 64 deep ran 2-20% slower: their blocks are bound by
+// the multiply-adds, which pass over each buffer of 256 deep for longer.
+constexpr int64_t kNTShallowRows = 128;
 
 inline __mmask16 tail_mask(int64_t n) { return n >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 
@@ -188,9 +196,12 @@ using moe_gmm_gemm::run_tasks;
 // sums are added to c and start again from zero: one chain of float32 multiply-adds over a long
 // depth drifts from the exact sum (434 terms canceling to small outputs: 2.5e-5 absolute where
 // MKL's blocked sums stay at 5.8e-6; partial sums of 64: 6.7e-6, of 128: 1.9e-5).
-template <int MR, int NV>
+//
+// With PfLines > 0, lines pf + d * ldp + 16 * v for v < PfLines are prefetched at depth d: a share of
+// the next block of the weight, requested while this one computes.
+template <int MR, int NV, int PfLines>
 void nn_block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* c, int64_t ldc, int64_t depth,
-              __mmask16 tail, bool accumulate) {
+              __mmask16 tail, bool accumulate, const float* pf, int64_t ldp) {
   for (int64_t d0 = 0; d0 < depth; d0 += kPartialDepth) {
     const int64_t end = std::min(depth, d0 + kPartialDepth);
     __m512 acc[MR][NV];
@@ -200,6 +211,9 @@ void nn_block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* c
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
     for (int64_t d = d0; d < end; ++d) {
       const float* wd = w + d * ldw;
+#pragma GCC unroll 4
+      for (int v = 0; v < PfLines; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + d * ldp + kLanes * v), _MM_HINT_T0);
       __m512 wv[NV];
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v)
@@ -223,56 +237,88 @@ void nn_block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* c
   }
 }
 
-using NNBlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, __mmask16, bool);
-template <int... I>
+using NNBlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, __mmask16, bool,
+                          const float*, int64_t);
+template <int PfLines, int... I>
 constexpr auto nn_block_table(std::integer_sequence<int, I...>) {
   // [rows - 1][vectors - 1]
   return std::array<std::array<NNBlockFn, kVectors>, sizeof...(I)>{
-      {{&nn_block<I + 1, 1>, &nn_block<I + 1, 2>, &nn_block<I + 1, 3>, &nn_block<I + 1, 4>}...}};
+      {{&nn_block<I + 1, 1, PfLines>, &nn_block<I + 1, 2, PfLines>, &nn_block<I + 1, 3, PfLines>,
+        &nn_block<I + 1, 4, PfLines>}...}};
 }
-constexpr auto kNNBlocks = nn_block_table(std::make_integer_sequence<int, kRows>{});
+// [lines prefetched per depth][rows - 1][vectors - 1]
+constexpr std::array<decltype(nn_block_table<0>(std::make_integer_sequence<int, kRows>{})), kVectors + 1> kNNBlocks = {
+    nn_block_table<0>(std::make_integer_sequence<int, kRows>{}),
+    nn_block_table<1>(std::make_integer_sequence<int, kRows>{}),
+    nn_block_table<2>(std::make_integer_sequence<int, kRows>{}),
+    nn_block_table<3>(std::make_integer_sequence<int, kRows>{}),
+    nn_block_table<4>(std::make_integer_sequence<int, kRows>{})};
 
 // out[0:rows, 0:width] (+)= x[0:rows, 0:depth] @ w[0:depth, 0:width] for width <= 64: the 6 x 64
-// blocks down the expert's rows (added to out's values with `accumulate`).
+// blocks down the expert's rows (added to out's values with `accumulate`). With `next`, the 64
+// floats at next + d * ldn for d < depth (the weight's next block) are prefetched, the 4 lines of
+// each depth shared out over the blocks: the weight is read once from memory, and a block whose
+// strip arrives on demand waits for it (E128 k2 T4096 forward, 64 rows per expert: 57.3 -> 46.6
+// ms; the lines all in the first block: 16-row experts 0.8x of this).
 void blocks_down_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth,
-                      int64_t width, float* o, int64_t ldo, bool accumulate) {
+                      int64_t width, float* o, int64_t ldo, bool accumulate, const float* next, int64_t ldn) {
   const int vectors = static_cast<int>((width + kLanes - 1) / kLanes);
   const __mmask16 tail = tail_mask(width - kLanes * (vectors - 1));
-  for (int64_t r = 0; r < rows; r += kRows) {
+  const int64_t blocks = (rows + kRows - 1) / kRows;
+  const int64_t per_block = next == nullptr ? 0 : (kVectors + blocks - 1) / blocks;
+  for (int64_t r = 0, b = 0; r < rows; r += kRows, ++b) {
     const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - r));
-    kNNBlocks[mr - 1][vectors - 1](x + r * ldx, ldx, w, ldw, o + r * ldo, ldo, depth, tail, accumulate);
+    const int64_t first = std::min<int64_t>(kVectors, b * per_block);
+    const int lines = static_cast<int>(std::min<int64_t>(kVectors, first + per_block) - first);
+    kNNBlocks[lines][mr - 1][vectors - 1](x + r * ldx, ldx, w, ldw, o + r * ldo, ldo, depth, tail, accumulate,
+                                          lines > 0 ? next + kLanes * first : nullptr, ldn);
   }
 }
 
 // out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:depth, 0:cols] for an expert of many rows: 6 x 64
 // blocks of the output, each over kNNDepthChunk of the depth with its 24 sums in registers (the
-// chunk's 64-column strip of the weight is read from L2 by every 6 rows after the first).
+// chunk's 64-column strip of the weight is read from L2 by every 6 rows after the first). Each
+// strip's blocks prefetch the next strip, or after the last one `following` (the next task's
+// first strip, laid out as w; nullptr: none).
 void nn_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
-                  float* o, int64_t ldo) {
+                  float* o, int64_t ldo, const float* following) {
   if (depth == 0)  // an empty sum: the blocks would write nothing
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
   for (int64_t k0 = 0; k0 < depth; k0 += kNNDepthChunk) {
     const int64_t chunk = std::min(kNNDepthChunk, depth - k0);
-    for (int64_t j = 0; j < cols; j += kColumns)
+    for (int64_t j = 0; j < cols; j += kColumns) {
+      const float* next = j + kColumns < cols           ? w + k0 * ldw + j + kColumns
+                          : k0 + kNNDepthChunk < depth ? w + (k0 + kNNDepthChunk) * ldw
+                                                       : following;
       blocks_down_rows(x + k0, ldx, rows, w + k0 * ldw + j, ldw, chunk, std::min<int64_t>(kColumns, cols - j), o + j,
-                       ldo, k0 > 0);
+                       ldo, k0 > 0, next, ldw);
+    }
   }
 }
 
 // out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:cols, 0:depth]^T for an expert of many rows: each
-// 64-row, kNNDepthChunk-deep block of w is transposed into a thread-local buffer (16 x 16 blocks in
-// registers), which the nn blocks then read as a weight of 64 contiguous columns.
+// 64-row block of w, kNNDepthChunk deep, is transposed into a thread-local buffer (16 x 16 blocks in
+// registers), which the nn blocks then read as a weight of 64 contiguous columns. Experts of fewer
+// than kNTShallowRows rows take blocks 64 deep instead, whose 64 rows of 4 lines the blocks before
+// prefetch (the next block, or after the last one `following`: the next task's first, laid out as
+// w; nullptr: none).
 void nt_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
-                  float* o, int64_t ldo) {
+                  float* o, int64_t ldo, const float* following) {
   if (depth == 0)
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
   thread_local std::vector<float> buffer;
   buffer.resize(kNNDepthChunk * kColumns);
   float* packed = buffer.data();
-  for (int64_t k0 = 0; k0 < depth; k0 += kNNDepthChunk) {
-    const int64_t chunk = std::min(kNNDepthChunk, depth - k0);
+  const bool shallow = rows < kNTShallowRows;
+  const int64_t deep = shallow ? kColumns : kNNDepthChunk;
+  for (int64_t k0 = 0; k0 < depth; k0 += deep) {
+    const int64_t chunk = std::min(deep, depth - k0);
     for (int64_t j = 0; j < cols; j += kColumns) {
       const int64_t width = std::min<int64_t>(kColumns, cols - j);
+      const float* next = !shallow                 ? nullptr
+                          : j + kColumns < cols   ? w + (j + kColumns) * ldw + k0
+                          : k0 + deep < depth     ? w + k0 + deep
+                                                  : following;
       // packed[d * kColumns + c] = w[(j + c) * ldw + k0 + d]
       for (int64_t c0 = 0; c0 < width; c0 += kLanes)
         for (int64_t d0 = 0; d0 < chunk; d0 += kLanes) {
@@ -286,7 +332,7 @@ void nt_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int
               for (int64_t d = 0; d < std::min<int64_t>(kLanes, chunk - d0); ++d) dst[d * kColumns + c] = src[c * ldw + d];
           }
         }
-      blocks_down_rows(x + k0, ldx, rows, packed, kColumns, chunk, width, o + j, ldo, k0 > 0);
+      blocks_down_rows(x + k0, ldx, rows, packed, kColumns, chunk, width, o + j, ldo, k0 > 0, next, ldw);
     }
   }
 }
@@ -450,7 +496,7 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
     // The last band prefetches the first band of the next panel or expert, usually this thread's next task.
     const float* following = moe_gmm_gemm::following_panel(bp, task, width, lde, b_elements);
     if (rows >= kNNManyRows) {
-      nn_many_rows(ap + m0 * lda, lda, rows, w, ldb, depth, cols, o, ldo);
+      nn_many_rows(ap + m0 * lda, lda, rows, w, ldb, depth, cols, o, ldo, following);
       return;
     }
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
@@ -518,8 +564,9 @@ void avx512_gemm_nt_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
     const float* w = bp + task.expert * lde;
     if (rows >= kNTManyRows) {
+      const int64_t following = task.expert * lde + task.end * ldb;  // the next rows of b
       nt_many_rows(ap + m0 * lda, lda, rows, w + task.begin * ldb, ldb, depth, task.end - task.begin,
-                   op + m0 * ldo + task.begin, ldo);
+                   op + m0 * ldo + task.begin, ldo, contiguous && following < b_elements ? bp + following : nullptr);
       return;
     }
     // Each pass over the expert's rows prefetches its share of the next rows kNTPrefetchBytes
