@@ -490,8 +490,8 @@ def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512):
 # widths past both panel sizes (512 and 1024 columns), with bands of 16 weight rows and without
 @example(counts=[3, 20, 0, 7], k=40, n=1100, max_rows=64, transposed_weight=False, seed=0)
 @example(counts=[1, 2], k=16, n=600, max_rows=16, transposed_weight=True, seed=1)
-# the register blocks for experts of 16 rows and more (nn, and nt through its transposed weight
-# blocks, 64 deep under 128 rows and 256 deep from there): row counts off the block's 6, widths off
+# the register blocks for experts of 8 (nn) or 16 (nt, through its transposed weight blocks, 64 deep
+# under 128 rows and 256 deep from there) rows and more: row counts off the block's 6, widths off
 # its 64 columns and the transpose's 16, depths past one chunk of 64 or 256 and off it
 @example(counts=[33, 70, 0, 5, 40], k=300, n=100, max_rows=4096, transposed_weight=False, seed=2)
 @example(counts=[37, 31, 64], k=513, n=40, max_rows=4096, transposed_weight=True, seed=3)
@@ -541,7 +541,7 @@ def test_avx512_products_over_an_empty_depth_are_zero(avx512, poisoned_memory, k
 
 
 def test_avx512_register_blocks_do_not_depend_on_thread_count(avx512, monkeypatch):
-    # nn (forward of [E, K, N]) and nt (its grad_input) on experts of 16 rows and more
+    # nn (forward of [E, K, N]) and nt (its grad_input) on experts of 8 or 16 rows and more
     monkeypatch.setattr(cpu, "AVX512_NN_MAX_ROWS", 4096)
     monkeypatch.setattr(cpu, "AVX512_NT_MAX_ROWS", 4096)
     counts = [40, 0, 70, 3, 33, 130, 17]

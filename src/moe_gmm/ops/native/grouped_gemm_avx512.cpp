@@ -17,7 +17,7 @@
 //       rows are left untouched for the caller (past about 128 rows MKL is faster).
 //   avx512_gemm_nn_few_rows(a[M,R], b[E,R,J], group_ends, max_rows, out[M,J])
 //       out[rows_e] = a[rows_e] @ b[e] for experts of 1..max_rows rows, others untouched. Under 32
-//       rows it streams the weight once in bands; from 16 rows on, 6 x 64 blocks of the output
+//       rows it streams the weight once in bands; from 8 rows on, 6 x 64 blocks of the output
 //       keep their sums in registers over 256 of the depth at a time, each 64-column strip of the
 //       weight prefetched while the one before it computes. On Intel, past 16-32 rows
 //       MKL's AVX-512 code is faster; on AMD, where MKL runs generic code, the blocks are ahead
@@ -72,9 +72,10 @@ constexpr int64_t kPartialDepth = 64;
 // 215 GFLOP/s at 16-64 rows on 2 Zen 5 cores).
 // In one process, taking turns with the bands alone (forward, ms): E128 k2 T4096 gate_up 83.5 ->
 // 57.7, down 40.2 -> 29.0; E64 the same; 64 left E128's 64-row experts half on the bands (69.7 ms).
-// E256 T512 (16 rows each): 0.84x at 16 until the blocks prefetched the weight's next strip, then
-// 1.06-1.14x (gate_up 18.97 -> 16.67, down 9.42 -> 8.90).
-constexpr int64_t kNNManyRows = 16;
+// E256 T512 (6-31 rows each): 0.84x at 16 until the blocks prefetched the weight's next strip, then
+// 1.06-1.14x (gate_up 18.97 -> 16.67, down 9.42 -> 8.90); 8 against 16, in separate processes
+// taking turns: 1.03x more (the 4-row E256 T128 0.98-0.99x, skewed even).
+constexpr int64_t kNNManyRows = 8;
 // nt: experts of this many rows or more take the nn blocks over 64 x 256 blocks of the weight
 // transposed in L2 (the dot products of the few-row nt sum each output through a permute tree).
 // In one process, taking turns with the dot products alone (grad_input of [E, K, N], ms): E128 k2
