@@ -46,7 +46,9 @@ __all__ = [
     "unavailable_reason",
 ]
 
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("grouped_gemm_common.h", "simd_transpose.h"))
+HEADERS = tuple(
+    Path(__file__).with_name(name) for name in ("grouped_gemm_common.h", "simd_reduce.h", "simd_transpose.h")
+)
 SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "grouped_gemm_common.h"
+#include "simd_reduce.h"
 #include "simd_transpose.h"
 
 #if defined(__AVX512F__)
@@ -338,6 +339,78 @@ void nt_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int
   }
 }
 
+// out[i * ldo + j] = <x row i, w row j> for i < MR (x's rows lda apart), j < NJ (w's rows ldw apart),
+// over depth values: 16 sums of 16 lanes in registers (each x vector loaded serves NJ
+// multiply-adds, each w vector MR), reduced together at the end. With PfRows > 0, rows
+// pf + p * ldw for p < PfRows are prefetched one line per 16 depth values: a share of the weight
+// rows after these.
+template <int MR, int NJ, int PfRows>
+void dot_block(const float* x, int64_t lda, const float* w, int64_t ldw, int64_t depth, float* out, int64_t ldo,
+               const float* pf) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  const auto step = [&](int64_t d, auto load) {
+#pragma GCC unroll 4
+    for (int p = 0; p < PfRows; ++p) _mm_prefetch(reinterpret_cast<const char*>(pf + p * ldw + d), _MM_HINT_T0);
+    __m512 wv[NJ];
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; ++j) wv[j] = load(w + j * ldw + d);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = load(x + i * lda + d);
+#pragma GCC unroll 4
+      for (int j = 0; j < NJ; ++j) acc[4 * i + j] = _mm512_fmadd_ps(xv, wv[j], acc[4 * i + j]);
+    }
+  };
+  int64_t d = 0;
+  for (; d + kLanes <= depth; d += kLanes) step(d, [](const float* p) { return _mm512_loadu_ps(p); });
+  if (d < depth) {
+    const __mmask16 m = tail_mask(depth - d);
+    step(d, [m](const float* p) { return _mm512_maskz_loadu_ps(m, p); });
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, moe_gmm_simd::sum_lanes_of_16(acc));
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NJ; ++j) out[i * ldo + j] = sums[4 * i + j];
+}
+
+using DotBlockFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, const float*);
+template <int PfRows, int... I>
+constexpr auto dot_block_table(std::integer_sequence<int, I...>) {
+  // [x rows - 1][w rows - 1]
+  return std::array<std::array<DotBlockFn, 4>, sizeof...(I)>{
+      {{&dot_block<I + 1, 1, PfRows>, &dot_block<I + 1, 2, PfRows>, &dot_block<I + 1, 3, PfRows>,
+        &dot_block<I + 1, 4, PfRows>}...}};
+}
+// [weight rows prefetched][x rows - 1][w rows - 1]
+constexpr std::array<decltype(dot_block_table<0>(std::make_integer_sequence<int, 4>{})), 5> kDotBlocks = {
+    dot_block_table<0>(std::make_integer_sequence<int, 4>{}), dot_block_table<1>(std::make_integer_sequence<int, 4>{}),
+    dot_block_table<2>(std::make_integer_sequence<int, 4>{}), dot_block_table<3>(std::make_integer_sequence<int, 4>{}),
+    dot_block_table<4>(std::make_integer_sequence<int, 4>{})};
+
+// out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:cols, 0:depth]^T for an expert of few rows: 4 x 4
+// blocks of dot products, 4 weight rows at a time down the expert's rows (the weight read once;
+// the expert's rows stay in L1). The blocks share out the prefetch of the next 4 weight rows
+// (after the last, `following`: the next task's first rows, ldw apart; nullptr: none).
+void nt_dots(const float* x, int64_t lda, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
+             float* o, int64_t ldo, const float* following) {
+  constexpr int64_t kBlock = 4;
+  const int64_t blocks = (rows + kBlock - 1) / kBlock;
+  const int64_t per_block = (kBlock + blocks - 1) / blocks;
+  for (int64_t j = 0; j < cols; j += kBlock) {
+    const int nj = static_cast<int>(std::min(kBlock, cols - j));
+    const float* next = j + kBlock < cols ? w + (j + kBlock) * ldw : following;
+    for (int64_t r = 0, b = 0; r < rows; r += kBlock, ++b) {
+      const int mr = static_cast<int>(std::min(kBlock, rows - r));
+      const int64_t first = std::min(kBlock, b * per_block);
+      const int lines = next == nullptr ? 0 : static_cast<int>(std::min(kBlock, first + per_block) - first);
+      kDotBlocks[lines][mr - 1][nj - 1](x + r * lda, lda, w + j * ldw, ldw, depth, o + r * ldo + j, ldo,
+                                        lines > 0 ? next + first * ldw : nullptr);
+    }
+  }
+}
+
 void few_rows_tasks(const std::vector<int64_t>& starts, int64_t max_rows, int64_t width, int64_t step,
                     std::vector<moe_gmm_gemm::Task>& tasks, std::vector<double>& cost) {
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(starts.size()); ++e) {
@@ -570,23 +643,9 @@ void avx512_gemm_nt_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
                    op + m0 * ldo + task.begin, ldo, contiguous && following < b_elements ? bp + following : nullptr);
       return;
     }
-    // Each pass over the expert's rows prefetches its share of the next rows kNTPrefetchBytes
-    // ahead, past the panel's end too where the weight goes on with this thread's next task.
-    const int64_t groups = (rows + kDotRows - 1) / kDotRows;
-    const int prefetch_step = static_cast<int>(std::min<int64_t>(groups, 2));
-    const int64_t ahead = 2 * std::max<int64_t>(1, kNTPrefetchBytes / (2 * depth * 4));
-    for (int64_t j = task.begin; j < task.end; j += 2) {
-      const bool pair = j + 1 < task.end;
-      const int64_t next_offset = task.expert * lde + (j + ahead) * ldb;
-      const bool prefetch = contiguous ? next_offset + ldb < b_elements : j + ahead + 1 < task.end;
-      const float* next = prefetch ? bp + next_offset : nullptr;
-      for (int64_t r = 0, q = 0; r < rows; r += kDotRows, ++q) {
-        const int64_t g = std::min<int64_t>(kDotRows, rows - r);
-        const float* pf = q < 2 ? next : nullptr;
-        kDots[g - 1](ap + (m0 + r) * lda, lda, w + j * ldb, ldb, pair, pf, static_cast<int>(q), prefetch_step, depth,
-                     op + (m0 + r) * ldo + j, ldo);
-      }
-    }
+    const int64_t following = task.expert * lde + task.end * ldb;
+    nt_dots(ap + m0 * lda, lda, rows, w + task.begin * ldb, ldb, depth, task.end - task.begin, op + m0 * ldo + task.begin,
+            ldo, contiguous && following < b_elements ? bp + following : nullptr);
   });
 #endif
 }

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "grouped_gemm_common.h"
+#include "simd_reduce.h"
 #include "simd_transpose.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -170,36 +171,7 @@ void nn_panel(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w, i
 
 // ---- nt ----------------------------------------------------------------------------------------
 
-// The sums of 16 vectors' lanes, lane i of the result the sum of v[i]'s: four levels of halving,
-// each folding two vectors' segments in half into one vector (15 folds of 2 permutes and an add,
-// against 16 full horizontal sums).
-struct FoldIndex {
-  alignas(64) int32_t low[16], high[16];
-};
-
-constexpr FoldIndex fold_index(int segment) {
-  FoldIndex f{};
-  for (int t = 0; t < 16; ++t) {
-    const int u = t & 7, half = segment / 2;
-    f.low[t] = (t < 8 ? 0 : 16) + u / half * segment + u % half;
-    f.high[t] = f.low[t] + half;
-  }
-  return f;
-}
-
-template <int Segment>
-inline __m512 fold(__m512 a, __m512 b) {
-  static constexpr FoldIndex kIndex = fold_index(Segment);
-  const __m512i lo = _mm512_load_si512(kIndex.low), hi = _mm512_load_si512(kIndex.high);
-  return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
-}
-
-inline __m512 sum_lanes_of_16(__m512 (&v)[16]) {
-  for (int i = 0; i < 8; ++i) v[i] = fold<16>(v[2 * i], v[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) v[i] = fold<8>(v[2 * i], v[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) v[i] = fold<4>(v[2 * i], v[2 * i + 1]);
-  return fold<2>(v[0], v[1]);
-}
+using moe_gmm_simd::sum_lanes_of_16;
 
 constexpr int kDotColumns = 4;  // nt: weight rows per pass
 
