@@ -25,8 +25,8 @@
 //   avx512_gemm_nt_few_rows(a[M,R], b[E,J,R], group_ends, max_rows, out[M,J])
 //       out[rows_e] = a[rows_e] @ b[e]^T for experts of 1..max_rows rows, others untouched: the
 //       grad_input of an [E, K, N] weight (b is the weight as stored). Under 16 rows it streams
-//       the weight once as dot products; from 16 rows on, blocks of the weight transposed in a
-//       thread's buffer feed the nn blocks.
+//       the weight once as 4 x 4 blocks of dot products; from 16 rows on, blocks of the weight
+//       transposed in a thread's buffer feed the nn blocks.
 // Each output element is one float32 sum over the expert's rows in order, computed by one task, so
 // results do not depend on the thread count.
 
@@ -78,7 +78,8 @@ constexpr int64_t kPartialDepth = 64;
 // taking turns: 1.03x more (the 4-row E256 T128 0.98-0.99x, skewed even).
 constexpr int64_t kNNManyRows = 8;
 // nt: experts of this many rows or more take the nn blocks over 64 x 256 blocks of the weight
-// transposed in L2 (the dot products of the few-row nt sum each output through a permute tree).
+// transposed in L2 (the dot products the few-row nt had then summed each output through a permute
+// tree, and loaded every vector masked).
 // In one process, taking turns with the dot products alone (grad_input of [E, K, N], ms): E128 k2
 // T4096 gate_up 98.1 -> 51.9, down 48.5 -> 25.6; E64 the same; E256 T512 (16 rows each) gate_up
 // 27.7 -> 25.3 at 16, even at 32; 64 left E128's 64-row experts half on the dot products (78.9).
@@ -152,41 +153,6 @@ constexpr auto block_table(std::integer_sequence<int, I...>) {
 }
 constexpr auto kBlocks = block_table<false>(std::make_integer_sequence<int, kRows>{});
 constexpr auto kStreamingBlocks = block_table<true>(std::make_integer_sequence<int, kRows>{});
-
-// nt: how far ahead the weight rows are prefetched (bytes), as in the bf16 kernels.
-constexpr int64_t kNTPrefetchBytes = 8192;
-
-// out[m, j] = <a row m, b row j> for G rows of a (lda apart) and the two rows j, j + 1 of b (ldb
-// apart; `pair` false: row j alone), over depth values; each b vector is loaded once for the G rows.
-// With `next`, rows next + i * ldb for i = pf_first, pf_first + pf_step, ... < 2 are prefetched as it goes.
-template <int G>
-inline void dot_rows(const float* a, int64_t lda, const float* b, int64_t ldb, bool pair, const float* next,
-                     int pf_first, int pf_step, int64_t depth, float* out, int64_t ldo) {
-  __m512 acc[G][2];
-  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
-  const float* b1 = pair ? b + ldb : b;
-  for (int64_t d = 0; d < depth; d += kLanes) {
-    if (next != nullptr)
-      for (int i = pf_first; i < 2; i += pf_step) _mm_prefetch(reinterpret_cast<const char*>(next + i * ldb + d), _MM_HINT_T0);
-    const __mmask16 m = tail_mask(depth - d);
-    const __m512 w0 = _mm512_maskz_loadu_ps(m, b + d), w1 = _mm512_maskz_loadu_ps(m, b1 + d);
-    for (int g = 0; g < G; ++g) {
-      const __m512 x = _mm512_maskz_loadu_ps(m, a + g * lda + d);
-      acc[g][0] = _mm512_fmadd_ps(x, w0, acc[g][0]);
-      acc[g][1] = _mm512_fmadd_ps(x, w1, acc[g][1]);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    out[g * ldo] = _mm512_reduce_add_ps(acc[g][0]);
-    if (pair) out[g * ldo + 1] = _mm512_reduce_add_ps(acc[g][1]);
-  }
-}
-
-using DotFn = void (*)(const float*, int64_t, const float*, int64_t, bool, const float*, int, int, int64_t, float*,
-                       int64_t);
-constexpr int kDotRows = 8;  // rows of a per pass: 8 x 2 accumulators, 2 weight vectors, 1 of a
-constexpr std::array<DotFn, kDotRows> kDots = {&dot_rows<1>, &dot_rows<2>, &dot_rows<3>, &dot_rows<4>,
-                                               &dot_rows<5>, &dot_rows<6>, &dot_rows<7>, &dot_rows<8>};
 
 using moe_gmm_gemm::run_tasks;
 
@@ -615,10 +581,9 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
 
 // out[rows_e, :] = a[rows_e] @ b[e]^T for experts of 1..max_rows rows (others untouched), b[E, J, R]
 // with R contiguous: the grad_input of an [E, K, N] weight (b is the weight as stored) and the
-// forward of an [E, N, K] one. Bound by reading b once, like the few-rows forward: each task takes
-// a panel of b's rows two at a time, front to back with the next two prefetched, and dots them
-// with the expert's rows, 8 at a time (each b vector loaded once for the 8; the expert's rows stay
-// in L1 or L2).
+// forward of an [E, N, K] one. Each task takes a panel of 128 of b's rows: under kNTManyRows rows
+// per expert, 4 at a time, front to back with the next 4 prefetched, dotted with the expert's rows
+// 4 at a time (nt_dots); from there, through blocks of b transposed (nt_many_rows).
 void avx512_gemm_nt_few_rows(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
                              at::Tensor& out) {
   const int64_t depth = b.size(2), width = b.size(1);
