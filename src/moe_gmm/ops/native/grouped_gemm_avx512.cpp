@@ -222,6 +222,18 @@ constexpr std::array<decltype(nn_block_table<0>(std::make_integer_sequence<int, 
     nn_block_table<3>(std::make_integer_sequence<int, kRows>{}),
     nn_block_table<4>(std::make_integer_sequence<int, kRows>{})};
 
+// The share of a next block's `lines` prefetch streams (lines per depth, or weight rows) that block
+// b of `blocks` issues as it goes: [first, first + count), count 0 for the blocks past them all.
+struct PrefetchShare {
+  int64_t first;
+  int count;
+};
+inline PrefetchShare prefetch_share(int64_t lines, int64_t blocks, int64_t b) {
+  const int64_t per_block = (lines + blocks - 1) / blocks;
+  const int64_t first = std::min(lines, b * per_block);
+  return {first, static_cast<int>(std::min(lines, first + per_block) - first)};
+}
+
 // out[0:rows, 0:width] (+)= x[0:rows, 0:depth] @ w[0:depth, 0:width] for width <= 64: the 6 x 64
 // blocks down the expert's rows (added to out's values with `accumulate`). With `next`, the 64
 // floats at next + d * ldn for d < depth (the weight's next block) are prefetched, the 4 lines of
@@ -233,13 +245,11 @@ void blocks_down_rows(const float* x, int64_t ldx, int64_t rows, const float* w,
   const int vectors = static_cast<int>((width + kLanes - 1) / kLanes);
   const __mmask16 tail = tail_mask(width - kLanes * (vectors - 1));
   const int64_t blocks = (rows + kRows - 1) / kRows;
-  const int64_t per_block = next == nullptr ? 0 : (kVectors + blocks - 1) / blocks;
   for (int64_t r = 0, b = 0; r < rows; r += kRows, ++b) {
     const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - r));
-    const int64_t first = std::min<int64_t>(kVectors, b * per_block);
-    const int lines = static_cast<int>(std::min<int64_t>(kVectors, first + per_block) - first);
-    kNNBlocks[lines][mr - 1][vectors - 1](x + r * ldx, ldx, w, ldw, o + r * ldo, ldo, depth, tail, accumulate,
-                                          lines > 0 ? next + kLanes * first : nullptr, ldn);
+    const PrefetchShare share = next == nullptr ? PrefetchShare{0, 0} : prefetch_share(kVectors, blocks, b);
+    kNNBlocks[share.count][mr - 1][vectors - 1](x + r * ldx, ldx, w, ldw, o + r * ldo, ldo, depth, tail, accumulate,
+                                                share.count > 0 ? next + kLanes * share.first : nullptr, ldn);
   }
 }
 
@@ -363,16 +373,14 @@ void nt_dots(const float* x, int64_t lda, int64_t rows, const float* w, int64_t 
              float* o, int64_t ldo, const float* following) {
   constexpr int64_t kBlock = 4;
   const int64_t blocks = (rows + kBlock - 1) / kBlock;
-  const int64_t per_block = (kBlock + blocks - 1) / blocks;
   for (int64_t j = 0; j < cols; j += kBlock) {
     const int nj = static_cast<int>(std::min(kBlock, cols - j));
     const float* next = j + kBlock < cols ? w + (j + kBlock) * ldw : following;
     for (int64_t r = 0, b = 0; r < rows; r += kBlock, ++b) {
       const int mr = static_cast<int>(std::min(kBlock, rows - r));
-      const int64_t first = std::min(kBlock, b * per_block);
-      const int lines = next == nullptr ? 0 : static_cast<int>(std::min(kBlock, first + per_block) - first);
-      kDotBlocks[lines][mr - 1][nj - 1](x + r * lda, lda, w + j * ldw, ldw, depth, o + r * ldo + j, ldo,
-                                        lines > 0 ? next + first * ldw : nullptr);
+      const PrefetchShare share = next == nullptr ? PrefetchShare{0, 0} : prefetch_share(kBlock, blocks, b);
+      kDotBlocks[share.count][mr - 1][nj - 1](x + r * lda, lda, w + j * ldw, ldw, depth, o + r * ldo + j, ldo,
+                                              share.count > 0 ? next + share.first * ldw : nullptr);
     }
   }
 }
@@ -601,16 +609,12 @@ void avx512_gemm_nt_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
   const int64_t b_elements = b.size(0) * lde;
   run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const moe_gmm_gemm::Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
-    const float* w = bp + task.expert * lde;
-    if (rows >= kNTManyRows) {
-      const int64_t following = task.expert * lde + task.end * ldb;  // the next rows of b
-      nt_many_rows(ap + m0 * lda, lda, rows, w + task.begin * ldb, ldb, depth, task.end - task.begin,
-                   op + m0 * ldo + task.begin, ldo, contiguous && following < b_elements ? bp + following : nullptr);
-      return;
-    }
-    const int64_t following = task.expert * lde + task.end * ldb;
-    nt_dots(ap + m0 * lda, lda, rows, w + task.begin * ldb, ldb, depth, task.end - task.begin, op + m0 * ldo + task.begin,
-            ldo, contiguous && following < b_elements ? bp + following : nullptr);
+    const float* w = bp + task.expert * lde + task.begin * ldb;
+    // b's rows after the panel: in a contiguous b, those of this thread's next task as a rule
+    const int64_t after = task.expert * lde + task.end * ldb;
+    const float* following = contiguous && after < b_elements ? bp + after : nullptr;
+    const auto product = rows >= kNTManyRows ? nt_many_rows : nt_dots;
+    product(ap + m0 * lda, lda, rows, w, ldb, depth, task.end - task.begin, op + m0 * ldo + task.begin, ldo, following);
   });
 #endif
 }
