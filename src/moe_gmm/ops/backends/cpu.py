@@ -157,11 +157,14 @@ AMX_GRAD_WEIGHT_MAX_ROWS = 128
 # The limits: timing the results set with each candidate in one process, taking turns (ms at
 # E128 k2 T4096 gate_up, about 64 rows per expert, some more): nn 64/128/256 29.2/21.6/21.7;
 # nt 32/64/128 29.8/29.3/25.9; tn 48/64/128/256 25.4/24.4/21.1/22.0, and all rows (E8, 1024
-# rows each) 1.75x slower than 256.
+# rows each) 1.75x slower than 256. From 128 to 256 (experts of about 128 rows, as E8 top-2 with 512
+# tokens, no longer reach oneDNN): the E8 layer's bf16 fwd+bwd 1.09-1.18x faster, its peak memory
+# 1.69-1.74x -> 1.45-1.47x the budget (oneDNN's kernels and primitives for those shapes are gone);
+# the results set's three passes even (skewed 0.96-1.04x).
 USE_AVX512_BF16 = True
-AVX512_BF16_NN_MAX_ROWS = 128
-AVX512_BF16_NT_MAX_ROWS = 128
-AVX512_BF16_GRAD_WEIGHT_MAX_ROWS = 128
+AVX512_BF16_NN_MAX_ROWS = 256
+AVX512_BF16_NT_MAX_ROWS = 256
+AVX512_BF16_GRAD_WEIGHT_MAX_ROWS = 256
 
 
 # MKL runs its generic x86 code on AMD CPUs (its verbose log names "Intel(R) Architecture
