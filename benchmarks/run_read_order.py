@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moe_gmm.bench.table import write_outputs
+
 SOURCE = Path(__file__).with_name("read_order") / "read_order.cpp"
 DEFAULT_SHAPES = ("256,256,1024", "256,1024,512")  # E256 down and gate_up, float32
 ROUNDS_PER_BATCH = 5
@@ -162,12 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    if args.markdown is not None:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
-    print(f"wrote {args.out}")
+    write_outputs(report, text, args.out, args.markdown)
     return 0
 
 

@@ -13,7 +13,6 @@ swiglu fwd+bwd ``8 * R * I * b`` (2RI in, RI out; RI + 2RI in, 2RI out).
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 from moe_gmm.bench.harness import TimingSettings, time_interleaved
 from moe_gmm.bench.machine import describe_machine, measure_copy_bandwidth
+from moe_gmm.bench.table import write_outputs
 from moe_gmm.ops import native
 from moe_gmm.ops.permute import permute, unpermute
 from moe_gmm.ops.swiglu import swiglu
@@ -168,10 +168,5 @@ def main(argv: list[str] | None = None) -> int:
     report = run(CASES[:1] if args.quick else CASES, dtypes, settings)
     text = markdown(report)
     print(text, end="")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    if args.markdown is not None:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
-    print(f"wrote {args.out}")
+    write_outputs(report, text, args.out, args.markdown)
     return 0

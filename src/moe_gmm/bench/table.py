@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 from moe_gmm.bench.harness import BenchReport, summarize
 
-__all__ = ["markdown_report", "print_report"]
+__all__ = ["markdown_report", "print_report", "write_outputs"]
 
 
 def _ms(seconds: float) -> str:
@@ -147,3 +149,13 @@ def markdown_report(report: BenchReport) -> str:
         out += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         out += ["| " + " | ".join(cell.replace("|", "/") for cell in line) + " |" for line in lines]
     return "\n".join(out) + "\n"
+
+
+def write_outputs(report: dict[str, Any], text: str, out: Path, markdown: Path | None = None) -> None:
+    """Write ``report`` as JSON to ``out`` and, when ``markdown`` is given, ``text`` there (folders created)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(text)
+    print(f"wrote {out}")
