@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_gmm.bench.table import write_outputs
+from moe_gmm.ops.native import cpuinfo_value
 
 SOURCE = Path(__file__).with_name("read_order") / "read_order.cpp"
 DEFAULT_SHAPES = ("256,256,1024", "256,1024,512")  # E256 down and gate_up, float32
@@ -47,14 +48,27 @@ def _shape(text: str) -> tuple[int, int, int]:
     return e, k, n
 
 
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def unsupported_reason() -> str | None:
+    """Why the probe cannot run here (no compiler, no AVX-512), or None."""
+    if shutil.which(_compiler()) is None:
+        return f"compiler {_compiler()!r} not found (set CXX)"
+    flags = cpuinfo_value("flags")
+    if flags is None or "avx512f" not in flags.split():
+        return "the probe needs an x86 CPU with AVX-512F"
+    return None
+
+
 def build(directory: Path) -> Path:
     """Compile the probe into ``directory``; the executable's path."""
-    compiler = os.environ.get("CXX", "g++")
-    if shutil.which(compiler) is None:
-        raise SystemExit(f"run_read_order: compiler {compiler!r} not found (set CXX)")
+    if (reason := unsupported_reason()) is not None:
+        raise SystemExit(f"run_read_order: {reason}")
     binary = directory / "read_order"
     subprocess.run(
-        [compiler, "-O2", "-march=native", "-fopenmp", str(SOURCE), "-o", str(binary)],
+        [_compiler(), "-O2", "-march=native", "-fopenmp", str(SOURCE), "-o", str(binary)],
         check=True,
     )
     return binary
