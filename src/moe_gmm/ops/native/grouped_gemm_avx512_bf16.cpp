@@ -161,22 +161,18 @@ void nn_panel(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w, i
         for (int q = 0; q < 2 * kBandPairs; ++q)
           _mm_prefetch(reinterpret_cast<const char*>(ahead + q * ldw + c), _MM_HINT_T0);
       __m512i pairs[2 * kBandPairs];
-      if constexpr (kRowPointer) {
-        const uint16_t* row = band + c;
-        for (int p = 0; p < kBandPairs; ++p) {
-          __m512i r0 = _mm512_loadu_si512(row), r1 = _mm512_loadu_si512(row + ldw);
+      const uint16_t* row = band + c;
+      for (int p = 0; p < kBandPairs; ++p) {
+        __m512i r0, r1;
+        if constexpr (kRowPointer) {
+          r0 = _mm512_loadu_si512(row), r1 = _mm512_loadu_si512(row + ldw);
           asm("" : "+v"(r0), "+v"(r1));  // one load each, not one per unpack
           row = next_row(row, 2 * ldw);
-          pairs[2 * p] = _mm512_unpacklo_epi16(r0, r1);
-          pairs[2 * p + 1] = _mm512_unpackhi_epi16(r0, r1);
+        } else {
+          r0 = _mm512_loadu_si512(band + 2 * p * ldw + c), r1 = _mm512_loadu_si512(band + (2 * p + 1) * ldw + c);
         }
-      } else {
-        for (int p = 0; p < kBandPairs; ++p) {
-          const __m512i r0 = _mm512_loadu_si512(band + 2 * p * ldw + c);
-          const __m512i r1 = _mm512_loadu_si512(band + (2 * p + 1) * ldw + c);
-          pairs[2 * p] = _mm512_unpacklo_epi16(r0, r1);
-          pairs[2 * p + 1] = _mm512_unpackhi_epi16(r0, r1);
-        }
+        pairs[2 * p] = _mm512_unpacklo_epi16(r0, r1);
+        pairs[2 * p + 1] = _mm512_unpackhi_epi16(r0, r1);
       }
       const uint16_t* xk = x + k;
       float* s = sums + c;
