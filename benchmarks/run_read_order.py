@@ -6,7 +6,8 @@ A weight-streaming product (experts of a few rows each) can go no faster than it
 read in the order its kernel reads it. This compiles ``benchmarks/read_order/read_order.cpp`` with
 ``$CXX`` (default ``g++``; AVX-512 and OpenMP needed) and times, round after round, plain reads of
 E float32 ``[K, N]`` weights: front to back, in the `nn` blocks' 64-column strips (with and without
-the next strip prefetched) and in the few-row bands of 16 rows. The machine's memory bandwidth
+the next strip prefetched), in the few-row bands of 16 rows, and in strips over chunks of 64 rows
+with the next chunk prefetched front to back. The machine's memory bandwidth
 drifts between two states over minutes, so each round times every order back to back, rounds go on
 for ``--seconds`` per shape, and the table gives each order's rate against front to back in the same
 round, over all rounds and over those in the fast state.

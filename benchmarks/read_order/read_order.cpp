@@ -12,6 +12,8 @@
 //                   blocks do)
 //   bands           bands of 16 weight rows, 16 floats of each of the 16 rows per step across
 //                   the columns (the few-row `nn` bands' order), the next band prefetched
+//   chunks+next     chunks of 64 weight rows (contiguous), each read in 64-float strips, while
+//                   the next chunk is prefetched front to back, one line per line read
 #include <immintrin.h>
 #include <omp.h>
 
@@ -26,9 +28,10 @@ namespace {
 
 constexpr int kStrip = 64;
 constexpr int kBand = 16;
+constexpr int64_t kChunk = 64;
 
-enum Order { kSequential, kStrips, kStripsNext, kBands, kOrders };
-const char* kNames[kOrders] = {"sequential", "strips", "strips+next", "bands"};
+enum Order { kSequential, kStrips, kStripsNext, kBands, kChunksNext, kOrders };
+const char* kNames[kOrders] = {"sequential", "strips", "strips+next", "bands", "chunks+next"};
 
 __m512 read_expert(const float* w, int64_t k, int64_t n, Order order, __m512 acc) {
   switch (order) {
@@ -54,6 +57,23 @@ __m512 read_expert(const float* w, int64_t k, int64_t n, Order order, __m512 acc
             _mm_prefetch(reinterpret_cast<const char*>(next + q * n + j), _MM_HINT_T0);
             acc = _mm512_add_ps(acc, _mm512_load_ps(w + (d + q) * n + j));
           }
+      }
+      break;
+    case kChunksNext:
+      for (int64_t c = 0; c < k; c += kChunk) {
+        const int64_t rows = std::min(kChunk, k - c);
+        const float* chunk = w + c * n;
+        // the next chunk follows this one in memory (after the last, the next expert's first)
+        const float* next = chunk + rows * n;
+        const int64_t next_elements = (c + rows < k ? std::min(kChunk, k - c - rows) : std::min(kChunk, k)) * n;
+        int64_t ahead = 0;
+        for (int64_t j = 0; j < n; j += kStrip)
+          for (int64_t d = 0; d < rows; ++d)
+            for (int v = 0; v < kStrip; v += 16) {
+              if (ahead < next_elements) _mm_prefetch(reinterpret_cast<const char*>(next + ahead), _MM_HINT_T0);
+              ahead += 16;
+              acc = _mm512_add_ps(acc, _mm512_load_ps(chunk + d * n + j + v));
+            }
       }
       break;
     default:

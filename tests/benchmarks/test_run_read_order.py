@@ -57,7 +57,7 @@ def test_real_run_reads_every_element_in_every_order(tmp_path):
     report = json.loads(out.read_text())
     (result,) = report["results"]
     assert result["shape"] == "4,32,128"
-    assert result["orders"] == ["sequential", "strips", "strips+next", "bands"]
+    assert result["orders"] == ["sequential", "strips", "strips+next", "bands", "chunks+next"]
     assert len(result["rounds_gbps"]) == ro.ROUNDS_PER_BATCH
     assert all(g > 0 for rates in result["rounds_gbps"] for g in rates)
 
