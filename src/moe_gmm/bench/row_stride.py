@@ -1,0 +1,152 @@
+"""What a padded weight row stride is worth: the same weights, contiguous and with every row padded.
+
+``python -m benchmarks.run_row_stride [--cases results] [--filter E256] [--dtype fp32,bf16]
+[--modes fwd,fwdbwd] [--pad 32] [--backend cpu] [--repeats 12] [--threads 2] [--out FILE]
+[--markdown FILE]``
+
+A contiguous ``[E, K, N]`` weight with N = 1024 float32 puts every row 4 KiB from the next, and some
+CPUs stream such a weight slower than the same values with rows a little further apart. For each
+case and dtype this builds the benchmark's weight twice, contiguous and as a view of
+``[E, K, N + pad]`` (:attr:`moe_gmm.bench.gmm.GmmCase.weight_row_pad`; the ``ENK`` layout pads the
+``[E, N, K]`` rows), times ``grouped_matmul`` on both taking turns in one process (the machine's
+state drifts; a ratio from one process is what holds), and checks that the output and both
+gradients are identical bit for bit. They are when the padded rows stay 16-byte aligned: the same
+kernels then read the weight in place, so the stride changes the time but not the sums (a stride
+off that alignment can send a pass to another kernel; the run then exits with status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_gmm.bench.gmm import _DTYPES, CASE_SETS, PROJECTIONS, GmmCase, _backend_impl, auto_backend_name, case_set
+from moe_gmm.bench.harness import MODES, TimingSettings, _timed_callable, split_choices, time_interleaved
+from moe_gmm.bench.machine import DTYPE_NAMES
+from moe_gmm.bench.table import write_outputs
+from moe_gmm.ops.backends import registered_backends
+
+__all__ = ["compare_case", "main", "markdown"]
+
+LAYOUTS = ("contiguous", "padded")
+
+
+def compare_case(
+    case: GmmCase, dtype: torch.dtype, modes: list[str], pad: int, backend: str, settings: TimingSettings
+) -> list[dict[str, Any]]:
+    """One row per mode: both layouts' timings, the speed-up of padding, and whether the results match."""
+    if pad < 1:
+        raise ValueError(f"pad must be >= 1, got {pad}")
+    cases = {"contiguous": replace(case, weight_row_pad=0), "padded": replace(case, weight_row_pad=pad)}
+    inputs = {name: c.make_inputs(dtype) for name, c in cases.items()}
+    impl = _backend_impl(backend)
+    workloads = {name: impl.prepare(inp) for name, inp in inputs.items()}
+    out = workloads["contiguous"].forward()
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+    results = {
+        name: (w.forward(), *torch.autograd.grad(w.forward(), w.leaves, grad_out)) for name, w in workloads.items()
+    }
+    identical = all(torch.equal(a, b) for a, b in zip(results["contiguous"], results["padded"], strict=True))
+    rows = []
+    for mode in modes:
+        fns = {name: _timed_callable(w, mode, grad_out) for name, w in workloads.items()}
+        timings = time_interleaved(fns, settings)
+        rows.append(
+            {
+                "case": case.name,
+                **case.columns(),
+                "dtype": DTYPE_NAMES[dtype],
+                "mode": mode,
+                "pad": pad,
+                "weight_row_stride_bytes": [
+                    max(inputs[name].w_EKN.stride()[1:]) * inputs[name].w_EKN.element_size() for name in LAYOUTS
+                ],
+                **{f"{name}_median_s": timings[name].median_s for name in LAYOUTS},
+                **{f"{name}_min_s": timings[name].min_s for name in LAYOUTS},
+                "repeats": timings["padded"].repeats,
+                "speedup": timings["contiguous"].median_s / timings["padded"].median_s,
+                "identical": identical,
+            }
+        )
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], pad: int, backend: str, threads: int) -> str:
+    lines = [
+        (
+            f"`grouped_matmul` (backend `{backend}`, {threads} threads) on the same weights, contiguous and with "
+            f"each row padded by {pad} elements, taking turns in one process: median (min) ms, and the speed-up "
+            "of the padded rows (contiguous median / padded median)"
+        ),
+        "",
+        "| case | projection | dtype | mode | row stride (bytes) | contiguous | padded | speed-up | identical |",
+        "|---|---|---|---|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['label']} | {r['dtype']} | {r['mode']} | "
+            f"{r['weight_row_stride_bytes'][0]} / {r['weight_row_stride_bytes'][1]} | "
+            f"{r['contiguous_median_s'] * 1e3:.2f} ({r['contiguous_min_s'] * 1e3:.2f}) | "
+            f"{r['padded_median_s'] * 1e3:.2f} ({r['padded_min_s'] * 1e3:.2f}) | {r['speedup']:.2f}x | "
+            f"{'yes' if r['identical'] else '**no**'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="results", help=f"case set: {', '.join(CASE_SETS)} (default results)")
+    parser.add_argument("--filter", default="E256", help="only cases whose name contains this text (default E256)")
+    parser.add_argument("--projection", default=",".join(PROJECTIONS), help="comma list of gate_up, down")
+    parser.add_argument("--weight-layout", default="EKN", choices=("EKN", "ENK"))
+    parser.add_argument("--dtype", default="fp32,bf16", help="comma list of fp32, bf16, fp16")
+    parser.add_argument("--modes", default="fwd,fwdbwd", help=f"comma list of {', '.join(MODES)}")
+    parser.add_argument("--pad", type=int, default=32, help="elements of padding after each weight row (default 32)")
+    parser.add_argument("--backend", default=None, help="the backend timed (default: what auto picks on CPU)")
+    parser.add_argument("--repeats", type=int, default=12, help="timed rounds per layout (default 12)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--out", type=Path, default=Path("out/bench/row_stride.json"))
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.pad < 1:
+        parser.error(f"--pad: must be >= 1, got {args.pad}")
+    if args.repeats < 1:
+        parser.error(f"--repeats: must be >= 1, got {args.repeats}")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads: must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    dtypes = [_DTYPES[n] for n in split_choices(args.dtype, ("fp32", "bf16", "fp16"), "--dtype")]
+    modes = split_choices(args.modes, MODES, "--modes")
+    projections = split_choices(args.projection, PROJECTIONS, "--projection")
+    backend = args.backend or auto_backend_name()
+    if backend not in registered_backends():
+        parser.error(f"--backend: unknown {backend!r}; choose from {sorted(registered_backends())}")
+    cases = [
+        replace(c, weight_layout=args.weight_layout)
+        for c in case_set(args.cases)
+        if c.projection in projections and args.filter in c.name
+    ]
+    if not cases:
+        parser.error("no case matches --cases/--filter/--projection")
+    settings = TimingSettings(warmup=1, min_repeats=args.repeats, max_repeats=args.repeats, min_seconds=0.0)
+    rows = []
+    for case in cases:
+        for dtype in dtypes:
+            print(f"{case.name} {case.projection} {DTYPE_NAMES[dtype]}...", file=sys.stderr, flush=True)
+            rows.extend(compare_case(case, dtype, modes, args.pad, backend, settings))
+    text = markdown(rows, args.pad, backend, torch.get_num_threads())
+    print(text, end="")
+    report = {
+        "command": "python -m benchmarks.run_row_stride " + " ".join(sys.argv[1:] if argv is None else argv),
+        "threads": torch.get_num_threads(),
+        "backend": backend,
+        "rows": rows,
+    }
+    write_outputs(report, text, args.out, args.markdown)
+    return 0 if all(r["identical"] for r in rows) else 1
