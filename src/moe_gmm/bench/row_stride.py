@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 
-from moe_gmm.bench.gmm import _DTYPES, CASE_SETS, PROJECTIONS, GmmCase, _backend_impl, auto_backend_name, case_set
+from moe_gmm.bench.gmm import CASE_SETS, PROJECTIONS, GmmCase, auto_backend_name, case_set, gmm_impls
 from moe_gmm.bench.harness import MODES, TimingSettings, _timed_callable, split_choices, time_interleaved
 from moe_gmm.bench.machine import DTYPE_NAMES
 from moe_gmm.bench.table import write_outputs
-from moe_gmm.ops.backends import registered_backends
 
 __all__ = ["compare_case", "main", "markdown"]
 
@@ -44,7 +43,7 @@ def compare_case(
         raise ValueError(f"pad must be >= 1, got {pad}")
     cases = {"contiguous": replace(case, weight_row_pad=0), "padded": replace(case, weight_row_pad=pad)}
     inputs = {name: c.make_inputs(dtype) for name, c in cases.items()}
-    impl = _backend_impl(backend)
+    impl = gmm_impls([backend])[-1]
     workloads = {name: impl.prepare(inp) for name, inp in inputs.items()}
     out = workloads["contiguous"].forward()
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
@@ -121,12 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads < 1:
             parser.error(f"--threads: must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    dtypes = [_DTYPES[n] for n in split_choices(args.dtype, ("fp32", "bf16", "fp16"), "--dtype")]
+    by_name = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+    dtypes = [by_name[n] for n in split_choices(args.dtype, ("fp32", "bf16", "fp16"), "--dtype")]
     modes = split_choices(args.modes, MODES, "--modes")
     projections = split_choices(args.projection, PROJECTIONS, "--projection")
     backend = args.backend or auto_backend_name()
-    if backend not in registered_backends():
-        parser.error(f"--backend: unknown {backend!r}; choose from {sorted(registered_backends())}")
+    try:
+        gmm_impls([backend])
+    except ValueError as err:
+        parser.error(f"--backend: {err}")
     cases = [
         replace(c, weight_layout=args.weight_layout)
         for c in case_set(args.cases)
