@@ -45,10 +45,11 @@ def compare_case(
     inputs = {name: c.make_inputs(dtype) for name, c in cases.items()}
     impl = gmm_impls([backend])[-1]
     workloads = {name: impl.prepare(inp) for name, inp in inputs.items()}
-    out = workloads["contiguous"].forward()
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+    outs = {name: w.forward() for name, w in workloads.items()}
+    grad_out = torch.randn(outs["contiguous"].shape, generator=torch.Generator().manual_seed(7)).to(dtype)
     results = {
-        name: (w.forward(), *torch.autograd.grad(w.forward(), w.leaves, grad_out)) for name, w in workloads.items()
+        name: (outs[name].detach(), *torch.autograd.grad(outs[name], w.leaves, grad_out))
+        for name, w in workloads.items()
     }
     identical = all(torch.equal(a, b) for a, b in zip(results["contiguous"], results["padded"], strict=True))
     rows = []
