@@ -39,6 +39,7 @@ from moe_gmm.bench.harness import (
 from moe_gmm.bench.machine import DTYPE_NAMES, CopyBandwidthProbe, describe_machine, measure_limits
 from moe_gmm.ops import grouped_matmul
 from moe_gmm.ops.backends import AUTO_PRIORITY, registered_backends, select_backend
+from moe_gmm.ops.weight_layout import pad_rows
 from moe_gmm.testing import routing_ids
 
 __all__ = ["CASE_SETS", "GmmCase", "GmmInputs", "build_parser", "case_set", "gmm_impls", "main"]
@@ -136,12 +137,7 @@ class GmmCase:
         x = torch.randn(self.rows, k, generator=g).to(dtype)
         rows, row_len = (k, n) if self.weight_layout == "EKN" else (n, k)
         values = (torch.randn(self.num_experts, rows, row_len, generator=g) / k**0.5).to(dtype)
-        if self.weight_row_pad:
-            padded = torch.zeros(self.num_experts, rows, row_len + self.weight_row_pad, dtype=dtype)
-            w = padded[..., :row_len]
-            w.copy_(values)
-        else:
-            w = values
+        w = pad_rows(values, self.weight_row_pad) if self.weight_row_pad else values
         if self.weight_layout == "ENK":
             w = w.transpose(1, 2)
         w_dense = (torch.randn(k, n, generator=g) / k**0.5).to(dtype)

@@ -1,0 +1,97 @@
+"""Padded weight rows: the layout helpers, and the grouped matmul on padded weights (same bits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_gmm import grouped_matmul
+from moe_gmm.ops.weight_layout import ROW_PAD_BYTES, default_row_pad, pad_rows, row_padding
+from moe_gmm.testing import assert_rel_close, reference_grouped_matmul, reference_grouped_matmul_grads
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"), [(torch.float32, 16), (torch.bfloat16, 32), (torch.float16, 32), (torch.float64, 8)]
+)
+def test_default_pad_is_one_cache_line(dtype, expected):
+    assert default_row_pad(dtype) == expected
+    assert default_row_pad(dtype) * torch.empty((), dtype=dtype).element_size() == ROW_PAD_BYTES
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (3, 5, 7), (2, 3, 4, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_pad_rows_keeps_values_and_pads_storage(shape, dtype):
+    w = torch.randn(shape).to(dtype).requires_grad_()
+    padded = pad_rows(w)
+    pad = default_row_pad(dtype)
+    assert padded.shape == w.shape and padded.dtype == dtype and not padded.requires_grad
+    assert torch.equal(padded, w.detach())
+    assert padded.stride(-1) == 1 and padded.stride(-2) == shape[-1] + pad
+    assert row_padding(padded) == pad
+    assert not padded.is_contiguous()
+    # the padding is zeroed storage after every row, outside the view
+    storage = torch.as_strided(padded, (*shape[:-1], shape[-1] + pad), padded.stride())
+    assert torch.equal(storage[..., shape[-1] :], torch.zeros_like(storage[..., shape[-1] :]))
+    assert row_padding(pad_rows(w, 4)) == 4
+
+
+def test_row_padding_of_other_layouts():
+    w = torch.randn(4, 6, 8)
+    assert row_padding(w) == 0  # contiguous
+    assert row_padding(w.transpose(1, 2)) == 0  # columns contiguous, not rows
+    assert row_padding(w[..., :6]) == 2  # a column slice is a padded block by definition
+    padded = pad_rows(w)
+    assert row_padding(padded[1:3]) == 16  # whole experts of a padded block
+    assert row_padding(padded[::2]) == 0  # experts skipped: not one block
+    assert row_padding(padded[:, ::2]) == 2 * 24 - 8  # every other row: a block of rows 48 apart
+    assert row_padding(padded[:, 1:]) == 0  # experts no longer step over whole blocks of its rows
+    assert row_padding(torch.empty(0, 6, 8)) == 0
+    assert row_padding(torch.randn(8)) == 0
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="weight"):
+        pad_rows([[1.0]])
+    with pytest.raises(ValueError, match="weight"):
+        pad_rows(torch.randn(8))
+    for bad in (0, -4, True, 2.0):
+        with pytest.raises(ValueError, match="pad"):
+            pad_rows(torch.randn(2, 3), bad)
+    with pytest.raises(TypeError, match="weight"):
+        row_padding("w")
+    with pytest.raises(TypeError, match="dtype"):
+        default_row_pad("float32")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 24), min_size=1, max_size=6),
+    k=st.sampled_from([8, 16, 48, 64]),
+    n=st.sampled_from([8, 32, 64, 80]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_grouped_matmul_on_padded_weights_is_bit_identical(counts, k, n, dtype, seed):
+    """Only the storage differs: forward, grad_input and grad_weight equal the contiguous weight's
+    bit for bit (auto backend), and both match the float64 reference."""
+    g = torch.Generator().manual_seed(seed)
+    m = sum(counts)
+    group_list = torch.tensor(counts)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(len(counts), k, n, generator=g) / k**0.5).to(dtype)
+    dy = torch.randn(m, n, generator=g).to(dtype)
+    results = []
+    for weight in (w.clone(), pad_rows(w)):
+        xl, wl = x.clone().requires_grad_(), weight.requires_grad_()
+        y = grouped_matmul(xl, wl, group_list)
+        gx, gw = torch.autograd.grad(y, (xl, wl), dy)
+        results.append((y, gx, gw))
+    for a, b, name in zip(*results, ("out", "grad_input", "grad_weight"), strict=True):
+        assert torch.equal(a, b), name
+    ref_y = reference_grouped_matmul(x, w, group_list)
+    ref_gx, ref_gw = reference_grouped_matmul_grads(x, w, group_list, dy)
+    limit = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want, name in zip(results[1], (ref_y, ref_gx, ref_gw), ("out", "grad_input", "grad_weight"), strict=True):
+        assert_rel_close(got, want, limit, name)
