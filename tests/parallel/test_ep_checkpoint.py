@@ -78,6 +78,23 @@ def _checkpoint_worker(rank: int, world: int, root: str) -> dict:
     load_ep_checkpoint(m4b, root / "ep1")
     checks["ep1_to_ep4"] = _matches(m4b, full, rank, 4)
 
+    # Padded expert rows (GroupedExperts.set_weight_row_padding): sharding keeps the layout, the
+    # checkpoint written from it is the same as from contiguous weights, and loading copies into it.
+    padded = _model(seed=0, num_experts=8)
+    for layer in padded.layers:
+        layer["mlp"].experts.set_weight_row_padding(True)
+    apply_expert_parallel(padded, None, EPPlan(4, [PATTERN]))
+    experts = [layer["mlp"].experts for layer in padded.layers]
+    checks["padded_sharded"] = all(e.weight_rows_padded for e in experts) and _matches(padded, full, rank, 4)
+    save_ep_checkpoint(padded, root / "padded")
+    padded_load = _model(seed=15, num_experts=8)
+    for layer in padded_load.layers:
+        layer["mlp"].experts.set_weight_row_padding(True)
+    apply_expert_parallel(padded_load, None, EPPlan(4, [PATTERN]))
+    load_ep_checkpoint(padded_load, root / "ep1")
+    experts = [layer["mlp"].experts for layer in padded_load.layers]
+    checks["padded_load"] = all(e.weight_rows_padded for e in experts) and _matches(padded_load, full, rank, 4)
+
     # A model too big for one device: built on the meta device, sharded, then only the local shard
     # is allocated and read from the files.
     with torch.device("meta"):
@@ -104,16 +121,20 @@ def _checkpoint_worker(rank: int, world: int, root: str) -> dict:
 
 def test_checkpoint_resharding_round_trips(tmp_path):
     for rank, checks in enumerate(run_ranks(_checkpoint_worker, 4, str(tmp_path), timeout_s=120)):
-        for name in ("ep2_differs_before_load", "ep4_to_ep2", "ep2_to_ep1", "ep1_to_ep4", "meta_ep4"):
+        for name in (
+            "ep2_differs_before_load", "ep4_to_ep2", "ep2_to_ep1", "ep1_to_ep4", "padded_sharded", "padded_load",
+            "meta_ep4",
+        ):  # fmt: skip
             assert checks[name] is True, f"rank {rank}: {name}"
         assert "has shape (8," in checks["wrong_E"] and "expects (16," in checks["wrong_E"], checks["wrong_E"]
         assert "sharded as rank" in checks["wrong_group"], checks["wrong_group"]
 
     # The files do not depend on the EP size that wrote them.
-    ep4, ep2, ep1 = (_all_tensors(tmp_path / d) for d in ("ep4", "ep2", "ep1"))
-    assert ep4.keys() == ep2.keys() == ep1.keys()
+    ep4, ep2, ep1, padded = (_all_tensors(tmp_path / d) for d in ("ep4", "ep2", "ep1", "padded"))
+    assert ep4.keys() == ep2.keys() == ep1.keys() == padded.keys()
     for key in ep4:
         assert torch.equal(ep4[key], ep2[key]) and torch.equal(ep4[key], ep1[key]), key
+        assert torch.equal(ep4[key], padded[key]), key
     # Hugging Face layout: fused experts [E, 2I, H] / [E, H, I] (GroupedExperts holds the transposes).
     full = _model(seed=0, num_experts=8)
     assert torch.equal(ep4["layers.0.mlp.experts.gate_up_proj"], full.layers[0]["mlp"].experts.gate_up_proj.mT)

@@ -37,6 +37,8 @@ class MoeBlockConfig:
     ``shared_expert_intermediate_size = 0`` builds no shared expert (Qwen3-MoE, Mixtral).
     ``router_aux_loss_coef > 0`` makes each forward store the scaled load-balancing loss in
     ``block.aux_loss`` (add it to the training loss yourself).
+    ``pad_expert_weight_rows`` stores the routed experts' weights with padded rows (CPU; see
+    :class:`~moe_gmm.layers.GroupedExperts`).
     """
 
     hidden_size: int = 256
@@ -50,6 +52,8 @@ class MoeBlockConfig:
     router_aux_loss_coef: float = 0.0
     # Fuse permute / unpermute into the grouped matmuls (triton gather/scatter kernels; see GroupedExperts).
     fused_permute: bool = False
+    # Routed experts' weight rows padded by a cache line in storage (CPU): faster few-row float32 experts.
+    pad_expert_weight_rows: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
@@ -67,6 +71,8 @@ class MoeBlockConfig:
             raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
         if self.gmm_backend is not None and not isinstance(self.gmm_backend, str):
             raise TypeError(f"gmm_backend must be a backend name or None, got {type(self.gmm_backend).__name__}")
+        if not isinstance(self.pad_expert_weight_rows, bool):
+            raise TypeError(f"pad_expert_weight_rows must be a bool, got {type(self.pad_expert_weight_rows).__name__}")
 
 
 class SharedExpertMLP(nn.Module):
@@ -109,6 +115,7 @@ class SparseMoeBlock(nn.Module):
             backend=config.gmm_backend,
             validate_routing=False,  # the router's top-k yields ids in [0, E)
             fused_permute=config.fused_permute,
+            pad_weight_rows=config.pad_expert_weight_rows,
         )
         if config.shared_expert_intermediate_size > 0:
             self.shared_expert = SharedExpertMLP(config.hidden_size, config.shared_expert_intermediate_size)

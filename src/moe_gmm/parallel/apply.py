@@ -15,6 +15,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moe_gmm.ops.expert_mlp import expert_mlp
+from moe_gmm.ops.weight_layout import pad_rows, row_padding
 from moe_gmm.parallel.comm import collective
 from moe_gmm.parallel.dispatcher import AllToAllDispatcher, OverlappedAllToAllDispatcher
 from moe_gmm.parallel.layout import EXPERT_PARAMS, ExpertShard, experts_layout
@@ -116,7 +117,9 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
         lo, hi = shard.first_expert, shard.first_expert + shard.num_local_experts
         for pname in EXPERT_PARAMS:
             full = getattr(module, pname)
-            local = nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad)
+            owned = full.detach()[lo:hi]
+            pad = row_padding(full)  # a padded layout (GroupedExperts(pad_weight_rows=True)) stays padded
+            local = nn.Parameter(pad_rows(owned, pad) if pad else owned.clone(), requires_grad=full.requires_grad)
             setattr(module, pname, local)
         # Experts modules get their ids from their block's top-k over E logits, so the range check
         # (a host sync per layer on an accelerator) is skipped unless the module asks for it.
