@@ -10,7 +10,9 @@ Implementations, all on the same weights and the same input ``x [1, T, H]``:
 - ``hf_moe_gmm``: the same block with experts_implementation ``moe_gmm`` (our integration);
 - ``moe_gmm``: :class:`~moe_gmm.layers.SparseMoeBlock` (fused, auto backend), weights converted
   once to its ``[E, H, 2I]`` / ``[E, I, H]`` layout;
-- ``moe_gmm_eager``: the same block with ``use_grouped_expert_matmul=False`` (opt-in).
+- ``moe_gmm_eager``: the same block with ``use_grouped_expert_matmul=False`` (opt-in);
+- ``moe_gmm_padded``: ``moe_gmm`` with its expert weights stored with padded rows, as
+  ``MoeBlockConfig(pad_expert_weight_rows=True)`` lays them out (opt-in; a copy made once).
 
 Gradients are taken for ``x`` and every parameter. ``moe_gmm``'s expert weights are handed to the
 harness as Hugging Face-layout transposed *views* of its own parameters, so its gradients compare
@@ -63,6 +65,7 @@ from moe_gmm.integrations.transformers import (
     register_moe_gmm_experts,
 )
 from moe_gmm.layers import SparseMoeBlock
+from moe_gmm.ops.weight_layout import pad_rows
 
 __all__ = [
     "CASE_SETS",
@@ -75,7 +78,7 @@ __all__ = [
     "profile_breakdown",
 ]
 
-IMPLS = ("hf_eager", "hf_grouped_mm", "hf_moe_gmm", "moe_gmm", "moe_gmm_eager")
+IMPLS = ("hf_eager", "hf_grouped_mm", "hf_moe_gmm", "moe_gmm", "moe_gmm_eager", "moe_gmm_padded")
 DEFAULT_IMPLS = ("hf_eager", "hf_grouped_mm", "hf_moe_gmm", "moe_gmm")
 _HF_IMPL = {"hf_eager": "eager", "hf_grouped_mm": "grouped_mm", "hf_moe_gmm": "moe_gmm"}
 _MODE_FACTOR = {"fwd": 1, "bwd": 2, "fwdbwd": 3}
@@ -188,13 +191,16 @@ def _hf_impl(name: str) -> Impl:
 
 
 def _ours_impl(name: str) -> Impl:
-    fused = name == "moe_gmm"
+    fused = name != "moe_gmm_eager"
+    padded = name == "moe_gmm_padded"
 
     def prepare(inp: MoeLayerInputs) -> Workload:
         # A parameter-less twin with this implementation's switch; it runs on inp.block's tensors.
         with torch.device("meta"):
             block = SparseMoeBlock(dataclasses.replace(inp.block.config, use_grouped_expert_matmul=fused))
         ours = dict(inp.block.named_parameters())
+        if padded:  # the expert weights copied once into padded rows (same values)
+            ours.update({n: pad_rows(ours[n]).requires_grad_() for n in _TRANSPOSED})
         # Leaves in transformers' order and layout: transposed views of our parameters (no copy).
         exposed = {n: (ours[n].transpose(1, 2) if n in _TRANSPOSED else ours[n]) for n in ours}
         used = {n: (exposed[n].transpose(1, 2) if n in _TRANSPOSED else exposed[n]) for n in ours}
@@ -208,7 +214,8 @@ def _ours_impl(name: str) -> Impl:
     return Impl(
         name=name,
         prepare=prepare,
-        description="moe_gmm SparseMoeBlock, " + ("grouped_matmul (auto backend)" if fused else "eager loop"),
+        description="moe_gmm SparseMoeBlock, "
+        + ("eager loop" if not fused else "grouped_matmul (auto backend)" + (", padded expert rows" if padded else "")),
     )
 
 
