@@ -16,9 +16,11 @@ from moe_gmm.integrations.transformers import (
     hf_to_moe_gmm_state_dict,
     moe_block_config_from_hf,
     moe_gmm_to_hf_state_dict,
+    pad_expert_weight_rows,
     register_moe_gmm_experts,
 )
 from moe_gmm.layers import SparseMoeBlock
+from moe_gmm.ops.weight_layout import row_padding
 from moe_gmm.testing import assert_rel_close
 
 FP32_LIMIT = 1e-5
@@ -276,6 +278,39 @@ def test_causal_lm_moe_gmm_matches_eager(family):
         p.untyped_storage().data_ptr() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))
     }
     assert set(calls.weight_ptrs) <= expert_ptrs
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "mixtral"])
+def test_padded_expert_rows_same_bits_and_save_pretrained(family, tmp_path):
+    """``pad_expert_weight_rows`` changes the experts' storage only: the loss and every gradient equal
+    the contiguous model's bit for bit, and ``save_pretrained`` writes the same checkpoint."""
+    make_config, class_name = MODELS[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, class_name)(make_config(experts_implementation="moe_gmm"))
+    model.train()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(6))
+    loss_ref, grads_ref, _ = _loss_and_grads(model, ids)
+    model.save_pretrained(tmp_path / "contiguous")
+
+    names = pad_expert_weight_rows(model)
+    assert names == [n for n, m in model.named_modules() if n.endswith("mlp.experts")] and len(names) == 2
+    experts = [p for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))]
+    assert experts and all(row_padding(p) > 0 for p in experts)
+    assert all(p.is_contiguous() for n, p in model.named_parameters() if not n.endswith(("gate_up_proj", "down_proj")))
+    loss, grads, calls = _loss_and_grads(model, ids)
+    assert calls.calls["moe_gmm::grouped_matmul"] == 4
+    assert torch.equal(loss, loss_ref) and grads.keys() == grads_ref.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, grads_ref[name]), name
+
+    model.save_pretrained(tmp_path / "padded")
+    reloaded = getattr(transformers, class_name).from_pretrained(tmp_path / "padded")
+    contiguous = getattr(transformers, class_name).from_pretrained(tmp_path / "contiguous")
+    for (n, a), (_, b) in zip(reloaded.state_dict().items(), contiguous.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    assert pad_expert_weight_rows(torch.nn.Linear(4, 4)) == []
+    with pytest.raises(TypeError, match="model"):
+        pad_expert_weight_rows({"experts": None})
 
 
 def test_bf16_model_close_to_eager():

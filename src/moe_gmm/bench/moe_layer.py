@@ -8,6 +8,7 @@ Implementations, all on the same weights and the same input ``x [1, T, H]``:
   per-expert loop); the reference every other row is compared with;
 - ``hf_grouped_mm``: the same block with transformers' ``grouped_mm`` experts;
 - ``hf_moe_gmm``: the same block with experts_implementation ``moe_gmm`` (our integration);
+- ``hf_moe_gmm_padded``: ``hf_moe_gmm`` after ``pad_expert_weight_rows`` (opt-in; a copy made once);
 - ``moe_gmm``: :class:`~moe_gmm.layers.SparseMoeBlock` (fused, auto backend), weights converted
   once to its ``[E, H, 2I]`` / ``[E, I, H]`` layout;
 - ``moe_gmm_eager``: the same block with ``use_grouped_expert_matmul=False`` (opt-in);
@@ -62,6 +63,7 @@ from moe_gmm.bench.memory import measure_in_subprocess, memory_markdown, print_m
 from moe_gmm.integrations.transformers import (
     hf_to_moe_gmm_state_dict,
     moe_block_config_from_hf,
+    pad_expert_weight_rows,
     register_moe_gmm_experts,
 )
 from moe_gmm.layers import SparseMoeBlock
@@ -78,9 +80,9 @@ __all__ = [
     "profile_breakdown",
 ]
 
-IMPLS = ("hf_eager", "hf_grouped_mm", "hf_moe_gmm", "moe_gmm", "moe_gmm_eager", "moe_gmm_padded")
+IMPLS = ("hf_eager", "hf_grouped_mm", "hf_moe_gmm", "hf_moe_gmm_padded", "moe_gmm", "moe_gmm_eager", "moe_gmm_padded")
 DEFAULT_IMPLS = ("hf_eager", "hf_grouped_mm", "hf_moe_gmm", "moe_gmm")
-_HF_IMPL = {"hf_eager": "eager", "hf_grouped_mm": "grouped_mm", "hf_moe_gmm": "moe_gmm"}
+_HF_IMPL = {"hf_eager": "eager", "hf_grouped_mm": "grouped_mm", "hf_moe_gmm": "moe_gmm", "hf_moe_gmm_padded": "moe_gmm"}
 _MODE_FACTOR = {"fwd": 1, "bwd": 2, "fwdbwd": 3}
 # moe-gmm parameters stored transposed relative to transformers' (see the module docstring).
 _TRANSPOSED = ("experts.gate_up_proj", "experts.down_proj")
@@ -182,11 +184,16 @@ def _hf_impl(name: str) -> Impl:
         with torch.device("meta"):
             hf_block = Qwen3_5MoeSparseMoeBlock(cfg)
         hf_block.load_state_dict(inp.hf_block.state_dict(), assign=True)
+        if name == "hf_moe_gmm_padded":  # this block's expert weights copied once into padded rows
+            pad_expert_weight_rows(hf_block)
         leaves = (inp.x, *hf_block.parameters())
         return Workload(forward=lambda: hf_block(inp.x), leaves=leaves)
 
     return Impl(
-        name=name, prepare=prepare, description=f"transformers Qwen3_5MoeSparseMoeBlock, {implementation} experts"
+        name=name,
+        prepare=prepare,
+        description=f"transformers Qwen3_5MoeSparseMoeBlock, {implementation} experts"
+        + (", padded expert rows" if name == "hf_moe_gmm_padded" else ""),
     )
 
 
@@ -227,7 +234,7 @@ def layer_impls(names: list[str] | None = None, reference: str = "hf_eager") -> 
         raise ValueError(f"--impls/--reference: unknown {unknown}; choose from {list(IMPLS)}")
     if reference not in names:
         names.insert(0, reference)
-    if "hf_moe_gmm" in names:
+    if "hf_moe_gmm" in names or "hf_moe_gmm_padded" in names:
         register_moe_gmm_experts()
     return [_hf_impl(n) if n in _HF_IMPL else _ours_impl(n) for n in IMPLS if n in names]
 
