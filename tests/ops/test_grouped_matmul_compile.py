@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -52,3 +56,30 @@ def test_compile_recompiles_not_on_new_group_values():
     assert counter.frame_count == 1
     torch.testing.assert_close(y2, grouped_matmul(x, w, [1, 7], fused=False))
     assert not torch.equal(y1, y2)
+
+
+def test_compile_fullgraph_as_the_first_call_in_a_process():
+    """A fresh process whose very first grouped matmul runs under torch.compile(fullgraph=True):
+    nothing the op needs may be imported lazily inside the trace."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from moe_gmm.layers import MoeBlockConfig, SparseMoeBlock
+
+        torch.manual_seed(0)
+        block = SparseMoeBlock(MoeBlockConfig(hidden_size=16, num_experts=8, num_experts_per_tok=2,
+                                              moe_intermediate_size=8, shared_expert_intermediate_size=8))
+        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+        x = torch.randn(10, 16)
+        xc, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        yc = compiled(xc)
+        yc.square().sum().backward()
+        ye = block(xe)
+        ye.square().sum().backward()
+        torch.testing.assert_close(yc, ye, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-6)
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

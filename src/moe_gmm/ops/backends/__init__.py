@@ -28,8 +28,9 @@ __all__ = [
 
 BACKEND_ENV_VAR = "MOE_GMM_BACKEND"
 
-# Built-in backends, imported on first use so that optional packages (triton, torch_npu) are only
-# touched when the registry is consulted.
+# Built-in backends, imported when ``moe_gmm.ops`` is (``_load_builtins``, after the ops modules,
+# which the backends import); each touches its optional package (triton, torch_npu) only when asked
+# whether it can run.
 _BUILTIN_MODULES: dict[str, str] = {
     "eager": "moe_gmm.ops.backends.eager",
     "cpu": "moe_gmm.ops.backends.cpu",
