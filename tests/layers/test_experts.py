@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -180,6 +182,18 @@ def test_padded_layout_round_trips_through_torch_save_and_meta(tmp_path):
     assert lazy.weight_rows_padded
     lazy.load_state_dict(loaded)
     assert lazy.weight_rows_padded and torch.equal(lazy.down_proj, m.down_proj)
+
+
+def test_padded_layout_survives_deepcopy_and_pickling(tmp_path):
+    m = GroupedExperts(E, H, INTER, pad_weight_rows=True)
+    twin = copy.deepcopy(m)
+    assert twin.weight_rows_padded and torch.equal(twin.gate_up_proj, m.gate_up_proj)
+    assert twin.gate_up_proj.data_ptr() != m.gate_up_proj.data_ptr()
+    torch.save(m, tmp_path / "module.pt")
+    loaded = torch.load(tmp_path / "module.pt", weights_only=False)
+    assert loaded.weight_rows_padded and torch.equal(loaded.down_proj, m.down_proj)
+    plain = copy.deepcopy(GroupedExperts(E, H, INTER))
+    assert not plain.weight_rows_padded and plain.gate_up_proj.is_contiguous()
 
 
 def test_optimizer_steps_on_padded_weights_match_contiguous():

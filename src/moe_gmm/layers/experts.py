@@ -40,7 +40,8 @@ class GroupedExperts(nn.Module):
     elements (:mod:`moe_gmm.ops.weight_layout`): the same values, read faster by the CPU kernels
     when rows would otherwise lie a multiple of 1-4 KiB apart (many small float32 experts).
     :attr:`weight_rows_padded` says whether the weights are laid out so now. Conversions through
-    the module (``.to(dtype)``, ``.to("cpu")``, ``to_empty``) lay them out again; on other devices
+    the module (``.to(dtype)``, ``.to("cpu")``, ``to_empty``), ``copy.deepcopy`` and unpickling lay
+    them out again; on other devices
     they stay contiguous. ``state_dict()`` holds the parameters themselves, as always (views that
     ``load_state_dict`` and ``copy_`` write through); ``torch.save`` keeps the padding, while
     safetensors, which takes contiguous tensors only, needs ``.contiguous()`` copies. Code that
@@ -111,6 +112,12 @@ class GroupedExperts(nn.Module):
                     p.data = pad_rows(p.data)
                 elif not self.pad_weight_rows and not p.is_contiguous():
                     p.data = p.data.contiguous()
+
+    def __setstate__(self, state):
+        # copy.deepcopy and unpickling clone the parameters into contiguous memory: lay them out again.
+        super().__setstate__(state)
+        if getattr(self, "pad_weight_rows", False):
+            self._lay_out_weights()
 
     def _apply(self, fn, recurse=True):
         # A conversion (.to(dtype), .double(), to_empty) yields contiguous weights: lay them out again.
