@@ -38,7 +38,8 @@ class GroupedExperts(nn.Module):
 
     ``pad_weight_rows=True`` stores each weight row on CPU followed by one cache line of unused
     elements (:mod:`moe_gmm.ops.weight_layout`): the same values, read faster by the CPU kernels
-    when rows would otherwise lie a multiple of 1-4 KiB apart (many small float32 experts).
+    when rows would otherwise lie a multiple of 1-4 KiB apart (many small float32 experts), for
+    64 bytes more memory per row (3% of a 2 KiB row).
     :attr:`weight_rows_padded` says whether the weights are laid out so now. Conversions through
     the module (``.to(dtype)``, ``.to("cpu")``, ``to_empty``), ``copy.deepcopy`` and unpickling lay
     them out again; on other devices
