@@ -253,12 +253,17 @@ def _loss_and_grads(model, ids):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, calls
 
 
-@pytest.mark.parametrize("family", list(MODELS))
-def test_causal_lm_moe_gmm_matches_eager(family):
+def _causal_lm(family: str, experts_implementation: str):
+    """A tiny model of ``family`` with seeded random weights, in training mode."""
     make_config, class_name = MODELS[family]
     torch.manual_seed(0)
-    model = getattr(transformers, class_name)(make_config(experts_implementation="eager"))
-    model.train()
+    model = getattr(transformers, class_name)(make_config(experts_implementation=experts_implementation))
+    return model.train()
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_causal_lm_moe_gmm_matches_eager(family):
+    model = _causal_lm(family, "eager")
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(4))
 
     loss_ref, grads_ref, calls_ref = _loss_and_grads(model, ids)
@@ -284,10 +289,7 @@ def test_causal_lm_moe_gmm_matches_eager(family):
 def test_padded_expert_rows_same_bits_and_save_pretrained(family, tmp_path):
     """``pad_expert_weight_rows`` changes the experts' storage only: the loss and every gradient equal
     the contiguous model's bit for bit, and ``save_pretrained`` writes the same checkpoint."""
-    make_config, class_name = MODELS[family]
-    torch.manual_seed(0)
-    model = getattr(transformers, class_name)(make_config(experts_implementation="moe_gmm"))
-    model.train()
+    model = _causal_lm(family, "moe_gmm")
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(6))
     loss_ref, grads_ref, _ = _loss_and_grads(model, ids)
     model.save_pretrained(tmp_path / "contiguous")
@@ -304,8 +306,9 @@ def test_padded_expert_rows_same_bits_and_save_pretrained(family, tmp_path):
         assert torch.equal(grad, grads_ref[name]), name
 
     model.save_pretrained(tmp_path / "padded")
-    reloaded = getattr(transformers, class_name).from_pretrained(tmp_path / "padded")
-    contiguous = getattr(transformers, class_name).from_pretrained(tmp_path / "contiguous")
+    model_class = getattr(transformers, MODELS[family][1])
+    reloaded = model_class.from_pretrained(tmp_path / "padded")
+    contiguous = model_class.from_pretrained(tmp_path / "contiguous")
     for (n, a), (_, b) in zip(reloaded.state_dict().items(), contiguous.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
     assert pad_expert_weight_rows(torch.nn.Linear(4, 4)) == []
