@@ -15,18 +15,21 @@ ONCE = TimingSettings(warmup=0, min_repeats=1, max_repeats=1, min_seconds=0.0)
 @pytest.mark.parametrize("layout", ["EKN", "ENK"])
 def test_both_layouts_give_identical_results(dtype, layout):
     case = GmmCase(**{**CASE.__dict__, "weight_layout": layout})
-    rows = row_stride.compare_case(case, dtype, ["fwd", "fwdbwd"], pad=8, backend="cpu", settings=ONCE)
-    assert [r["mode"] for r in rows] == ["fwd", "fwdbwd"]
+    rows = row_stride.compare_case(case, dtype, ["fwd", "fwdbwd"], pads=[8, 32], backend="cpu", settings=ONCE)
+    assert [(r["mode"], r["pad"]) for r in rows] == [("fwd", 8), ("fwd", 32), ("fwdbwd", 8), ("fwdbwd", 32)]
     size = torch.tensor([], dtype=dtype).element_size()
     row_len = 64 if layout == "EKN" else 32  # down: K = intermediate, N = hidden
     for r in rows:
         assert r["identical"] and r["speedup"] > 0 and r["repeats"] == 1
-        assert r["weight_row_stride_bytes"] == [row_len * size, (row_len + 8) * size]
+        assert r["weight_row_stride_bytes"] == [row_len * size, (row_len + r["pad"]) * size]
+    # one contiguous timing per mode, shared by its pads
+    assert rows[0]["contiguous_median_s"] == rows[1]["contiguous_median_s"]
 
 
-def test_pad_must_be_positive():
-    with pytest.raises(ValueError, match="pad"):
-        row_stride.compare_case(CASE, torch.float32, ["fwd"], pad=0, backend="cpu", settings=ONCE)
+@pytest.mark.parametrize("pads", [[0], [], [8, 8], [True]])
+def test_pads_must_be_distinct_positive_ints(pads):
+    with pytest.raises(ValueError, match="pads"):
+        row_stride.compare_case(CASE, torch.float32, ["fwd"], pads=pads, backend="cpu", settings=ONCE)
 
 
 def test_main_writes_the_table_and_json(tmp_path, capsys):
@@ -54,6 +57,8 @@ def test_main_fails_when_the_layouts_disagree(tmp_path, monkeypatch):
     "argv, message",
     [
         (["--pad", "0"], "--pad"),
+        (["--pad", "16,x"], "--pad"),
+        (["--pad", "16,16"], "--pad"),
         (["--repeats", "0"], "--repeats"),
         (["--filter", "no-such-case"], "no case"),
         (["--backend", "nope"], "--backend"),

@@ -1,16 +1,16 @@
 """What a padded weight row stride is worth: the same weights, contiguous and with every row padded.
 
 ``python -m benchmarks.run_row_stride [--cases results] [--filter E256] [--dtype fp32,bf16]
-[--modes fwd,fwdbwd] [--pad 32] [--backend cpu] [--repeats 12] [--threads 2] [--out FILE]
-[--markdown FILE]``
+[--modes fwd,fwdbwd] [--pad 32 | --pad 16,64,256] [--backend cpu] [--repeats 12] [--threads 2]
+[--out FILE] [--markdown FILE]``
 
 A contiguous ``[E, K, N]`` weight with N = 1024 float32 puts every row 4 KiB from the next, and some
 CPUs stream such a weight slower than the same values with rows a little further apart. For each
-case and dtype this builds the benchmark's weight twice, contiguous and as a view of
-``[E, K, N + pad]`` (:attr:`moe_gmm.bench.gmm.GmmCase.weight_row_pad`; the ``ENK`` layout pads the
-``[E, N, K]`` rows), times ``grouped_matmul`` on both taking turns in one process (the machine's
-state drifts; a ratio from one process is what holds), and checks that the output and both
-gradients are identical bit for bit. They are when the padded rows stay 16-byte aligned: the same
+case and dtype this builds the benchmark's weight contiguous and, for every pad asked for, as a
+view of ``[E, K, N + pad]`` (:attr:`moe_gmm.bench.gmm.GmmCase.weight_row_pad`; the ``ENK`` layout
+pads the ``[E, N, K]`` rows), times ``grouped_matmul`` on all of them taking turns in one process
+(the machine's state drifts; a ratio from one process is what holds), and checks that the output
+and both gradients are identical bit for bit to the contiguous weight's. They are when the padded rows stay 16-byte aligned: the same
 kernels then read the weight in place, so the stride changes the time but not the sums (a stride
 off that alignment can send a pass to another kernel; the run then exits with status 1).
 """
@@ -32,17 +32,19 @@ from moe_gmm.bench.table import write_outputs
 
 __all__ = ["compare_case", "main", "markdown"]
 
-LAYOUTS = ("contiguous", "padded")
-
 
 def compare_case(
-    case: GmmCase, dtype: torch.dtype, modes: list[str], pad: int, backend: str, settings: TimingSettings
+    case: GmmCase, dtype: torch.dtype, modes: list[str], pads: list[int], backend: str, settings: TimingSettings
 ) -> list[dict[str, Any]]:
-    """One row per mode: both layouts' timings, the speed-up of padding, and whether the results match."""
-    if pad < 1:
-        raise ValueError(f"pad must be >= 1, got {pad}")
-    cases = {"contiguous": replace(case, weight_row_pad=0), "padded": replace(case, weight_row_pad=pad)}
-    inputs = {name: c.make_inputs(dtype) for name, c in cases.items()}
+    """One row per mode and pad: the contiguous and padded timings (all layouts taking turns), the
+    speed-up of padding, and whether the results match the contiguous weight's."""
+    if not pads or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in pads):
+        raise ValueError(f"pads must be positive ints, got {pads!r}")
+    if len(set(pads)) != len(pads):
+        raise ValueError(f"pads must differ, got {pads!r}")
+    layouts = {"contiguous": replace(case, weight_row_pad=0)}
+    layouts.update({f"pad {p}": replace(case, weight_row_pad=p) for p in pads})
+    inputs = {name: c.make_inputs(dtype) for name, c in layouts.items()}
     impl = gmm_impls([backend])[-1]
     workloads = {name: impl.prepare(inp) for name, inp in inputs.items()}
     outs = {name: w.forward() for name, w in workloads.items()}
@@ -51,45 +53,53 @@ def compare_case(
         name: (outs[name].detach(), *torch.autograd.grad(outs[name], w.leaves, grad_out))
         for name, w in workloads.items()
     }
-    identical = all(torch.equal(a, b) for a, b in zip(results["contiguous"], results["padded"], strict=True))
+
+    def stride_bytes(name: str) -> int:
+        return max(inputs[name].w_EKN.stride()[1:]) * inputs[name].w_EKN.element_size()
+
     rows = []
     for mode in modes:
         fns = {name: _timed_callable(w, mode, grad_out) for name, w in workloads.items()}
         timings = time_interleaved(fns, settings)
-        rows.append(
-            {
-                "case": case.name,
-                **case.columns(),
-                "dtype": DTYPE_NAMES[dtype],
-                "mode": mode,
-                "pad": pad,
-                "weight_row_stride_bytes": [
-                    max(inputs[name].w_EKN.stride()[1:]) * inputs[name].w_EKN.element_size() for name in LAYOUTS
-                ],
-                **{f"{name}_median_s": timings[name].median_s for name in LAYOUTS},
-                **{f"{name}_min_s": timings[name].min_s for name in LAYOUTS},
-                "repeats": timings["padded"].repeats,
-                "speedup": timings["contiguous"].median_s / timings["padded"].median_s,
-                "identical": identical,
-            }
-        )
+        base = timings["contiguous"]
+        for p in pads:
+            name = f"pad {p}"
+            rows.append(
+                {
+                    "case": case.name,
+                    **case.columns(),
+                    "dtype": DTYPE_NAMES[dtype],
+                    "mode": mode,
+                    "pad": p,
+                    "weight_row_stride_bytes": [stride_bytes("contiguous"), stride_bytes(name)],
+                    "contiguous_median_s": base.median_s,
+                    "contiguous_min_s": base.min_s,
+                    "padded_median_s": timings[name].median_s,
+                    "padded_min_s": timings[name].min_s,
+                    "repeats": timings[name].repeats,
+                    "speedup": base.median_s / timings[name].median_s,
+                    "identical": all(
+                        torch.equal(a, b) for a, b in zip(results["contiguous"], results[name], strict=True)
+                    ),
+                }
+            )
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], pad: int, backend: str, threads: int) -> str:
+def markdown(rows: list[dict[str, Any]], backend: str, threads: int) -> str:
     lines = [
         (
             f"`grouped_matmul` (backend `{backend}`, {threads} threads) on the same weights, contiguous and with "
-            f"each row padded by {pad} elements, taking turns in one process: median (min) ms, and the speed-up "
-            "of the padded rows (contiguous median / padded median)"
+            "each row padded by `pad` elements, all taking turns in one process: median (min) ms, and the "
+            "speed-up of the padded rows (contiguous median / padded median)"
         ),
         "",
-        "| case | projection | dtype | mode | row stride (bytes) | contiguous | padded | speed-up | identical |",
-        "|---|---|---|---|---|---:|---:|---:|---|",
+        "| case | projection | dtype | mode | pad | row stride (bytes) | contiguous | padded | speed-up | identical |",
+        "|---|---|---|---|---:|---|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['case']} | {r['label']} | {r['dtype']} | {r['mode']} | "
+            f"| {r['case']} | {r['label']} | {r['dtype']} | {r['mode']} | {r['pad']} | "
             f"{r['weight_row_stride_bytes'][0]} / {r['weight_row_stride_bytes'][1]} | "
             f"{r['contiguous_median_s'] * 1e3:.2f} ({r['contiguous_min_s'] * 1e3:.2f}) | "
             f"{r['padded_median_s'] * 1e3:.2f} ({r['padded_min_s'] * 1e3:.2f}) | {r['speedup']:.2f}x | "
@@ -106,15 +116,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-layout", default="EKN", choices=("EKN", "ENK"))
     parser.add_argument("--dtype", default="fp32,bf16", help="comma list of fp32, bf16, fp16")
     parser.add_argument("--modes", default="fwd,fwdbwd", help=f"comma list of {', '.join(MODES)}")
-    parser.add_argument("--pad", type=int, default=32, help="elements of padding after each weight row (default 32)")
+    parser.add_argument(
+        "--pad",
+        default="32",
+        help="elements of padding after each weight row; a comma list compares several (default 32)",
+    )
     parser.add_argument("--backend", default=None, help="the backend timed (default: what auto picks on CPU)")
     parser.add_argument("--repeats", type=int, default=12, help="timed rounds per layout (default 12)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--out", type=Path, default=Path("out/bench/row_stride.json"))
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.pad < 1:
-        parser.error(f"--pad: must be >= 1, got {args.pad}")
+    try:
+        pads = [int(p) for p in args.pad.split(",")]
+    except ValueError:
+        parser.error(f"--pad: a comma list of positive ints, got {args.pad!r}")
+    if any(p < 1 for p in pads) or len(set(pads)) != len(pads):
+        parser.error(f"--pad: distinct ints >= 1, got {args.pad!r}")
     if args.repeats < 1:
         parser.error(f"--repeats: must be >= 1, got {args.repeats}")
     if args.threads is not None:
@@ -142,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         for dtype in dtypes:
             print(f"{case.name} {case.projection} {DTYPE_NAMES[dtype]}...", file=sys.stderr, flush=True)
-            rows.extend(compare_case(case, dtype, modes, args.pad, backend, settings))
-    text = markdown(rows, args.pad, backend, torch.get_num_threads())
+            rows.extend(compare_case(case, dtype, modes, pads, backend, settings))
+    text = markdown(rows, backend, torch.get_num_threads())
     print(text, end="")
     report = {
         "command": "python -m benchmarks.run_row_stride " + " ".join(sys.argv[1:] if argv is None else argv),
