@@ -10,9 +10,10 @@ case and dtype this builds the benchmark's weight contiguous and, for every pad 
 view of ``[E, K, N + pad]`` (:attr:`moe_gmm.bench.gmm.GmmCase.weight_row_pad`; the ``ENK`` layout
 pads the ``[E, N, K]`` rows), times ``grouped_matmul`` on all of them taking turns in one process
 (the machine's state drifts; a ratio from one process is what holds), and checks that the output
-and both gradients are identical bit for bit to the contiguous weight's. They are when the padded rows stay 16-byte aligned: the same
-kernels then read the weight in place, so the stride changes the time but not the sums (a stride
-off that alignment can send a pass to another kernel; the run then exits with status 1).
+and both gradients are identical bit for bit to the contiguous weight's. They are when the padded
+rows stay 16-byte aligned: the same kernels then read the weight in place, so the stride changes
+the time but not the sums (a stride off that alignment can send a pass to another kernel; the run
+then exits with status 1).
 """
 
 from __future__ import annotations
