@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_gmm import grouped_matmul
-from moe_gmm.ops.weight_layout import ROW_PAD_BYTES, default_row_pad, pad_rows, row_padding
+from moe_gmm.ops.weight_layout import ROW_PAD_BYTES, default_row_pad, lay_out_rows, pad_rows, row_padding
 from moe_gmm.testing import assert_rel_close, reference_grouped_matmul, reference_grouped_matmul_grads
 
 
@@ -49,6 +49,21 @@ def test_row_padding_of_other_layouts():
     assert row_padding(padded[:, 1:]) == 0  # experts no longer step over whole blocks of its rows
     assert row_padding(torch.empty(0, 6, 8)) == 0
     assert row_padding(torch.randn(8)) == 0
+
+
+def test_lay_out_rows_keeps_the_parameter_and_its_values():
+    param = torch.nn.Parameter(torch.randn(3, 5, 8))
+    values = param.detach().clone()
+    lay_out_rows(param, True)
+    assert row_padding(param) == 16 and torch.equal(param, values) and param.requires_grad
+    storage = param.data_ptr()
+    lay_out_rows(param, True)  # already padded: left as it is
+    assert param.data_ptr() == storage
+    lay_out_rows(param, False)
+    assert param.is_contiguous() and torch.equal(param, values)
+    meta = torch.nn.Parameter(torch.empty(3, 5, 8, device="meta"))
+    lay_out_rows(meta, True)  # only CPU weights are padded
+    assert meta.is_contiguous()
 
 
 def test_bad_arguments():

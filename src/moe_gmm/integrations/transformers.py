@@ -35,7 +35,7 @@ from moe_gmm.layers.moe_block import MoeBlockConfig
 from moe_gmm.ops.expert_mlp import expert_mlp
 from moe_gmm.ops.grouped_matmul import grouped_matmul
 from moe_gmm.ops.permute import permute, unpermute
-from moe_gmm.ops.weight_layout import pad_rows, row_padding
+from moe_gmm.ops.weight_layout import lay_out_rows
 
 __all__ = [
     "hf_to_moe_gmm_state_dict",
@@ -176,10 +176,8 @@ def pad_expert_weight_rows(model: torch.nn.Module) -> list[str]:
         if isinstance(module, GroupedExperts):
             module.set_weight_row_padding(True)
         else:
-            with torch.no_grad():
-                for w in weights:
-                    if row_padding(w) == 0:
-                        w.data = pad_rows(w.data)
+            for w in weights:
+                lay_out_rows(w, True)
         padded.append(name)
     return padded
 

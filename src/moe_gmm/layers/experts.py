@@ -12,7 +12,7 @@ from torch.profiler import record_function
 from moe_gmm.ops.expert_mlp import expert_mlp
 from moe_gmm.ops.gather_gmm import moe_mlp_gather_scatter
 from moe_gmm.ops.permute import permute, unpermute
-from moe_gmm.ops.weight_layout import pad_rows, row_padding
+from moe_gmm.ops.weight_layout import lay_out_rows, row_padding
 
 __all__ = ["GroupedExperts"]
 
@@ -39,11 +39,10 @@ class GroupedExperts(nn.Module):
     ``pad_weight_rows=True`` stores each weight row on CPU followed by one cache line of unused
     elements (:mod:`moe_gmm.ops.weight_layout`): the same values, read faster by the CPU kernels
     when rows would otherwise lie a multiple of 1-4 KiB apart (many small float32 experts), for
-    64 bytes more memory per row (3% of a 2 KiB row).
-    :attr:`weight_rows_padded` says whether the weights are laid out so now. Conversions through
-    the module (``.to(dtype)``, ``.to("cpu")``, ``to_empty``), ``copy.deepcopy`` and unpickling lay
-    them out again; on other devices
-    they stay contiguous. ``state_dict()`` holds the parameters themselves, as always (views that
+    64 bytes more memory per row (3% of a 2 KiB row). :attr:`weight_rows_padded` says whether the
+    weights are laid out so now. Conversions through the module (``.to(dtype)``, ``.to("cpu")``,
+    ``to_empty``), ``copy.deepcopy`` and unpickling lay them out again; on other devices they stay
+    contiguous. ``state_dict()`` holds the parameters themselves, as always (views that
     ``load_state_dict`` and ``copy_`` write through); ``torch.save`` keeps the padding, while
     safetensors, which takes contiguous tensors only, needs ``.contiguous()`` copies. Code that
     replaces the parameters (``load_state_dict(assign=True)``) leaves them contiguous until the next
@@ -106,13 +105,8 @@ class GroupedExperts(nn.Module):
         self._lay_out_weights()
 
     def _lay_out_weights(self) -> None:
-        params = (self.gate_up_proj, self.down_proj)
-        with torch.no_grad():
-            for p in params:
-                if self.pad_weight_rows and p.device.type == "cpu" and row_padding(p) == 0:
-                    p.data = pad_rows(p.data)
-                elif not self.pad_weight_rows and not p.is_contiguous():
-                    p.data = p.data.contiguous()
+        for p in (self.gate_up_proj, self.down_proj):
+            lay_out_rows(p, self.pad_weight_rows)
 
     def __setstate__(self, state):
         # copy.deepcopy and unpickling clone the parameters into contiguous memory: lay them out again.

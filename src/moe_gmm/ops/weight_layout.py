@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ROW_PAD_BYTES", "default_row_pad", "pad_rows", "row_padding"]
+__all__ = ["ROW_PAD_BYTES", "default_row_pad", "lay_out_rows", "pad_rows", "row_padding"]
 
 # One cache line: the smallest shift that moves each row's lines to the next cache set.
 ROW_PAD_BYTES = 64
@@ -69,3 +69,14 @@ def pad_rows(weight: torch.Tensor, pad: int | None = None) -> torch.Tensor:
     padded = storage[..., : weight.shape[-1]]
     padded.copy_(weight.detach())
     return padded
+
+
+def lay_out_rows(param: torch.Tensor, padded: bool) -> None:
+    """Re-lay out ``param`` in place, replacing its ``.data`` (the object, and an optimizer's hold on
+    it, stay): padded rows with ``padded`` (on CPU; elsewhere it is left as it is), contiguous
+    without. The values do not change."""
+    with torch.no_grad():
+        if padded and param.device.type == "cpu" and row_padding(param) == 0:
+            param.data = pad_rows(param.data)
+        elif not padded and not param.is_contiguous():
+            param.data = param.data.contiguous()
