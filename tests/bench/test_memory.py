@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -79,6 +80,54 @@ def test_linear_in_a_fresh_process_sees_its_weights():
     assert record["held_bytes"] > 0 and record["baseline_rss_bytes"] > 0
     assert math.isfinite(record["ratio"]) and record["ratio"] > 0
     assert record["threads"] == 1 and isinstance(record["malloc_env"], dict)
+    assert (record["warmup_steps"], record["measured_steps"]) == (memory.WARMUP_STEPS, memory.MEASURED_STEPS)
+    # A plain linear layer reaches its steady state in the warm-up: nothing grows after it.
+    assert abs(record["drift_bytes"]) < 4 * 1024 * 1024
+
+
+def test_step_counts_reach_the_subprocess_and_the_table():
+    spec = {"rows": 64, "inner": 64, "cols": 64, "dtype": "fp32"}
+    record = measure_in_subprocess("linear", spec, threads=1, warmup_steps=2, measured_steps=1)
+    assert (record["warmup_steps"], record["measured_steps"]) == (2, 1)
+    text = memory_markdown([{"case": "c", "dtype": "fp32", "impl": "i", **record}])
+    assert "1 steps measured after 2" in text and "| drift |" in text
+
+
+def test_measure_peak_runs_warmup_then_measured_steps():
+    calls = []
+    make_job, _ = memory.KINDS["linear"]
+    build, grad_out = make_job({"rows": 8, "inner": 8, "cols": 8, "dtype": "fp32"})
+
+    def counting_build():
+        workload = build()
+        forward = workload.forward
+        return dataclasses.replace(workload, forward=lambda: calls.append(1) or forward())
+
+    peak, _ = memory.measure_peak(counting_build, grad_out, warmup_steps=3, measured_steps=2)
+    assert len(calls) == 5
+    assert peak.peak is None or peak.peak >= 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"warmup_steps": 0}, ValueError, "warmup_steps must be >= 1"),
+        ({"measured_steps": 0}, ValueError, "measured_steps must be >= 1"),
+        ({"measured_steps": 1.5}, TypeError, "measured_steps must be an int"),
+        ({"warmup_steps": True}, TypeError, "warmup_steps must be an int"),
+    ],
+)
+def test_measure_peak_rejects_bad_step_counts(kwargs, error, match):
+    make_job, _ = memory.KINDS["linear"]
+    build, grad_out = make_job({"rows": 4, "inner": 4, "cols": 4, "dtype": "fp32"})
+    with pytest.raises(error, match=match):
+        memory.measure_peak(build, grad_out, **kwargs)
+
+
+def test_cli_rejects_a_zero_step_count(capsys):
+    with pytest.raises(SystemExit):
+        memory.main(["linear", '{"rows": 4, "inner": 4, "cols": 4, "dtype": "fp32"}', "--measured-steps", "0"])
+    assert "--measured-steps" in capsys.readouterr().err
 
 
 def test_full_priming_runs_the_same_layer_and_says_so():

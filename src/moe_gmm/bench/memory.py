@@ -22,11 +22,21 @@ step of the same implementation on a tiny shape, so lazy imports land before the
 (the caller's tensor; counted in neither number); ``gc.collect()`` and ``malloc_trim`` (glibc, so
 freed heap pages from the priming are not reused for free), read the baseline; build the layer,
 drop what it does not use (the benchmark's inputs hold the weights in two layouts), collect and
-trim again (the build's temporaries are not the step's memory); run one warm-up step (allocator
-caches, thread pools), ``gc.collect()``, reset the high-water mark by writing ``5`` to
-``/proc/self/clear_refs`` (Linux >= 4.0), run and measure one step. The step is the
-benchmark's ``fwdbwd`` mode: ``torch.autograd.grad(forward(), leaves, dy)``. If the reset is refused
-or has no effect, ``peak`` is reported as unavailable rather than a number that includes the build.
+trim again (the build's temporaries are not the step's memory); run ``warmup_steps`` steps
+(default :data:`WARMUP_STEPS`: allocator caches, thread pools, and the heap's steady state, below),
+``gc.collect()``, reset the high-water mark by writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0),
+run ``measured_steps`` steps (default :data:`MEASURED_STEPS`) and take the high-water mark over all of
+them. The step is the benchmark's ``fwdbwd`` mode: ``torch.autograd.grad(forward(), leaves, dy)``.
+If the reset is refused or has no effect, ``peak`` is reported as unavailable rather than a number
+that includes the build.
+
+Why several warm-up steps: glibc's heap reaches its steady size only after a few steps. Blocks freed
+in one step do not always fit where the next step asks, so the heap grows for a while: the float32
+E8 layer of the ``experts`` set (weights 27 MiB) grew by 15 MiB over its first five steps and then
+not at all over 35 more; one warm-up step reported 1.33x its budget where the steady state is
+higher. The record keeps both counts (``warmup_steps``, ``measured_steps``) and ``drift``: how much
+resident memory grew from the first measured step's start to the last one's end (0 in a steady
+state).
 
 The allocator shapes ``peak``: glibc's malloc serves blocks below its (adaptive, up to 32 MiB) mmap
 threshold from heaps it keeps resident after ``free``, so pages freed by one tensor are held until
@@ -91,11 +101,14 @@ __all__ = [
 
 MIB = 2**20
 TARGET_RATIO = 1.2
+WARMUP_STEPS = 8
+MEASURED_STEPS = 3
 MEMORY_CAPTION = (
-    "peak = resident-memory high-water mark (VmHWM) during one steady-state fwd+bwd step, minus resident "
-    "memory before the weights and input existed (fresh process per impl); budget = weights + their grads "
-    "+ x and dx + activations autograd saves in the forward (unique storages); held = resident between "
-    f"steps, before the measured one; target peak/budget <= {TARGET_RATIO}"
+    f"peak = resident-memory high-water mark (VmHWM) over {MEASURED_STEPS} fwd+bwd steps after {WARMUP_STEPS} "
+    "warm-up steps (unless noted), minus resident memory before the weights and input existed (fresh process "
+    "per impl); budget = weights + their grads + x and dx + activations autograd saves in the forward (unique "
+    "storages); held = resident between steps, before the measured ones; drift = resident growth over the "
+    f"measured steps; target peak/budget <= {TARGET_RATIO}"
 )
 
 
@@ -199,8 +212,9 @@ class Peak:
     """Resident bytes relative to ``baseline`` (before the layer existed); ``peak`` None when unmeasurable."""
 
     baseline: int
-    held: int  # resident between steps (weights, x, caches), just before the measured step
+    held: int  # resident between steps (weights, x, caches), just before the measured steps
     peak: int | None
+    drift: int = 0  # resident growth over the measured steps (0 once the heap is steady)
     note: str = ""
 
 
@@ -224,14 +238,26 @@ def _prime(job: Job) -> None:
     host_cache.clear()
 
 
-def measure_peak(build: Callable[[], Workload], grad_out: torch.Tensor) -> tuple[Peak, Workload]:
-    """Build the layer after a baseline reading, then measure one fwd+bwd step's resident peak.
+def measure_peak(
+    build: Callable[[], Workload],
+    grad_out: torch.Tensor,
+    *,
+    warmup_steps: int = WARMUP_STEPS,
+    measured_steps: int = MEASURED_STEPS,
+) -> tuple[Peak, Workload]:
+    """Build the layer after a baseline reading, warm it up, then measure the resident peak of its steps.
 
     ``build`` creates the weights and input and returns the workload (only what it returns should
     stay referenced); ``grad_out`` is the upstream gradient, created by the caller beforehand. Prime
-    the process first (:func:`measure_workload` does). Returns the workload too, so the budget can be
-    counted on the same tensors afterwards.
+    the process first (:func:`measure_workload` does). ``peak`` is the high-water mark over
+    ``measured_steps`` fwd+bwd steps after ``warmup_steps`` unmeasured ones. Returns the workload
+    too, so the budget can be counted on the same tensors afterwards.
     """
+    for name, value, least in (("warmup_steps", warmup_steps, 1), ("measured_steps", measured_steps, 1)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
     gc.collect()
     _trim_heap()
     before = _resident()
@@ -239,21 +265,36 @@ def measure_peak(build: Callable[[], Workload], grad_out: torch.Tensor) -> tuple
     gc.collect()
     _trim_heap()  # the build's temporaries (other layouts, fp32 init) are not the step's memory
     step = _timed_callable(workload, "fwdbwd", grad_out)
-    step()  # warm-up: allocator caches, thread pools, lazily built kernels
+    for _ in range(warmup_steps):  # allocator caches, thread pools, lazily built kernels, the heap's size
+        grads = step()
+        del grads
+        gc.collect()
     gc.collect()
     if before is None:
         return Peak(baseline=0, held=0, peak=None, note="peak unavailable: no /proc/self/status"), workload
     ready = _resident()
     note = _reset_high_water_mark()
-    grads = step()
+    for _ in range(measured_steps):
+        grads = step()
+        del grads
+        gc.collect()
     after = _resident()
-    del grads
     assert ready is not None and after is not None
     peak = None if note else after[1] - before[0]
-    return Peak(baseline=before[0], held=ready[0] - before[0], peak=peak, note=note or ""), workload
+    return (
+        Peak(baseline=before[0], held=ready[0] - before[0], peak=peak, drift=after[0] - ready[0], note=note or ""),
+        workload,
+    )
 
 
-def measure_workload(job: Job, *, prime: Job | None = None, num_inputs: int = 1) -> dict[str, Any]:
+def measure_workload(
+    job: Job,
+    *,
+    prime: Job | None = None,
+    num_inputs: int = 1,
+    warmup_steps: int = WARMUP_STEPS,
+    measured_steps: int = MEASURED_STEPS,
+) -> dict[str, Any]:
     """Prime with ``prime`` (the same layer, tiny), measure the peak of ``job``, then count its budget.
 
     Returns one flat, JSON-ready record in bytes.
@@ -261,7 +302,7 @@ def measure_workload(job: Job, *, prime: Job | None = None, num_inputs: int = 1)
     if prime is not None:
         _prime(prime)
         del prime
-    peak, workload = measure_peak(*job)
+    peak, workload = measure_peak(*job, warmup_steps=warmup_steps, measured_steps=measured_steps)
     budget = layer_budget(workload, num_inputs=num_inputs)
     ratio = peak.peak / budget.total if peak.peak is not None and budget.total else None
     return {
@@ -269,7 +310,10 @@ def measure_workload(job: Job, *, prime: Job | None = None, num_inputs: int = 1)
         "budget_bytes": budget.total,
         "peak_bytes": peak.peak,
         "held_bytes": peak.held,
+        "drift_bytes": peak.drift,
         "baseline_rss_bytes": peak.baseline,
+        "warmup_steps": warmup_steps,
+        "measured_steps": measured_steps,
         "ratio": ratio,
         "note": peak.note,
         "threads": torch.get_num_threads(),
@@ -341,17 +385,24 @@ KINDS: dict[str, tuple[Callable[[dict[str, Any]], Job], Callable[[dict[str, Any]
 
 
 def measure_in_subprocess(
-    kind: str, spec: dict[str, Any], *, threads: int | None = None, prime: str = "tiny", timeout_s: float = 1800.0
+    kind: str,
+    spec: dict[str, Any],
+    *,
+    threads: int | None = None,
+    prime: str = "tiny",
+    warmup_steps: int = WARMUP_STEPS,
+    measured_steps: int = MEASURED_STEPS,
+    timeout_s: float = 1800.0,
 ) -> dict[str, Any]:
     """Run one measurement in a fresh Python process (``threads``: default this process's setting;
-    ``prime``: ``tiny`` or ``full``, see the module's docstring)."""
+    ``prime``: ``tiny`` or ``full``; the step counts as in :func:`measure_peak`; see the module's docstring)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
     if prime not in PRIMINGS:
         raise ValueError(f"prime must be one of {PRIMINGS}, got {prime!r}")
     threads = threads or torch.get_num_threads()
     cmd = [sys.executable, "-m", "moe_gmm.bench.memory", kind, json.dumps(spec), "--threads", str(threads)]
-    cmd += ["--prime", prime]
+    cmd += ["--prime", prime, "--warmup-steps", str(warmup_steps), "--measured-steps", str(measured_steps)]
     env = dict(os.environ)
     # The child imports this very package, wherever it came from (a source tree or site-packages).
     root = str(Path(__file__).resolve().parents[2])
@@ -369,7 +420,9 @@ def _mib(value: int | None) -> str:
     return f"{value / MIB:.1f}" if abs(value) >= 10 * MIB else f"{value / MIB:.3f}"
 
 
-_HEADER = ("case", "dtype", "impl", "weights", "grads", "saved act.", "x+dx", "budget", "held", "peak", "peak/budget")
+_HEADER = (
+    "case", "dtype", "impl", "weights", "grads", "saved act.", "x+dx", "budget", "held", "drift", "peak", "peak/budget"
+)  # fmt: skip
 
 
 def _memory_rows(records: list[dict[str, Any]]) -> list[list[str]]:
@@ -377,12 +430,12 @@ def _memory_rows(records: list[dict[str, Any]]) -> list[list[str]]:
     for r in records:
         head = [r["case"], r["dtype"], r["impl"]]
         if r.get("error"):
-            rows.append([*head, *(["-"] * 7), "error"])
+            rows.append([*head, *(["-"] * 8), "error"])
             continue
         ratio = r["ratio"]
         ratio_text = "-" if ratio is None or not math.isfinite(ratio) else f"{ratio:.2f}"
-        parts = ("weights", "grads", "saved", "inputs", "budget", "held", "peak")
-        rows.append([*head, *(_mib(r[f"{p}_bytes"]) for p in parts), ratio_text])
+        parts = ("weights", "grads", "saved", "inputs", "budget", "held", "drift", "peak")
+        rows.append([*head, *(_mib(r.get(f"{p}_bytes")) for p in parts), ratio_text])
     return rows
 
 
@@ -390,7 +443,10 @@ def _notes(records: list[dict[str, Any]]) -> list[str]:
     out = []
     for r in records:
         env = " ".join(f"{k}={v}" for k, v in (r.get("malloc_env") or {}).items())
-        text = "; ".join(t for t in (r.get("error") or r.get("note"), f"ran under {env}" if env else "") if t)
+        steps = (r.get("warmup_steps", WARMUP_STEPS), r.get("measured_steps", MEASURED_STEPS))
+        counted = f"{steps[1]} steps measured after {steps[0]}" if steps != (WARMUP_STEPS, MEASURED_STEPS) else ""
+        parts = (r.get("error") or r.get("note"), f"ran under {env}" if env else "", counted)
+        text = "; ".join(t for t in parts if t)
         if text:
             out.append(f"{r['case']} {r['dtype']} {r['impl']}: {text}")
     return out
@@ -421,6 +477,13 @@ def memory_markdown(records: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Subprocess entry: measure one workload, print one JSON line."""
     p = argparse.ArgumentParser(description="Peak memory of one fwd+bwd step vs its budget (one JSON line).")
@@ -434,6 +497,18 @@ def main(argv: list[str] | None = None) -> int:
         help="prime with one step on tiny matrices (default) or on the same layer at full size, so the "
         "process's one-time state for these shapes falls in the baseline",
     )
+    p.add_argument(
+        "--warmup-steps",
+        type=_positive_int,
+        default=WARMUP_STEPS,
+        help=f"unmeasured steps before the measured ones, until the heap is steady (default {WARMUP_STEPS})",
+    )
+    p.add_argument(
+        "--measured-steps",
+        type=_positive_int,
+        default=MEASURED_STEPS,
+        help=f"steps whose high-water mark is the peak (default {MEASURED_STEPS})",
+    )
     args = p.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -441,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(args.spec)
     prime = make_job(tiny(spec) if args.prime == "tiny" else spec)
     job = make_job(spec)  # creates dy: before the baseline
-    print(json.dumps({**measure_workload(job, prime=prime), "prime": args.prime}), flush=True)
+    record = measure_workload(job, prime=prime, warmup_steps=args.warmup_steps, measured_steps=args.measured_steps)
+    print(json.dumps({**record, "prime": args.prime}), flush=True)
     return 0
 
 
