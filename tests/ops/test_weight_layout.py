@@ -1,4 +1,4 @@
-"""Padded weight rows: the layout helpers, and the grouped matmul on padded weights (same bits)."""
+"""Weight layouts: padded rows and transposed storage, their helpers, and the grouped matmul on them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_gmm import grouped_matmul
-from moe_gmm.ops.weight_layout import ROW_PAD_BYTES, default_row_pad, lay_out_rows, pad_rows, row_padding
+from moe_gmm.ops.weight_layout import (
+    ROW_PAD_BYTES,
+    default_row_pad,
+    lay_out_rows,
+    lay_out_transposed,
+    pad_rows,
+    row_padding,
+    store_transposed,
+    stored_transposed,
+)
 from moe_gmm.testing import assert_rel_close, reference_grouped_matmul, reference_grouped_matmul_grads
 
 
@@ -66,6 +75,53 @@ def test_lay_out_rows_keeps_the_parameter_and_its_values():
     assert meta.is_contiguous()
 
 
+@pytest.mark.parametrize("pad", [0, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_store_transposed_keeps_values_over_transposed_storage(pad, dtype):
+    w = torch.randn(3, 5, 8).to(dtype).requires_grad_()
+    stored = store_transposed(w, pad)
+    assert stored.shape == w.shape and stored.dtype == dtype and not stored.requires_grad
+    assert torch.equal(stored, w.detach()) and stored.stride(-2) == 1
+    assert stored_transposed(stored) and not stored_transposed(w)
+    assert row_padding(stored.mT) == pad
+    assert stored.mT.is_contiguous() == (pad == 0)
+
+
+def test_stored_transposed_of_other_layouts():
+    w = torch.randn(4, 6, 8)
+    assert not stored_transposed(w) and not stored_transposed(pad_rows(w))
+    assert stored_transposed(w.transpose(1, 2)) and stored_transposed(pad_rows(w).transpose(1, 2))
+    assert not stored_transposed(w[..., ::2].transpose(1, 2))  # strided columns: neither layout
+    assert not stored_transposed(torch.randn(4, 1, 1)) and not stored_transposed(torch.randn(8))
+    assert not stored_transposed(torch.empty(0, 6, 8).transpose(1, 2))
+
+
+def test_lay_out_transposed_round_trip_keeps_parameter_values_and_padding():
+    param = torch.nn.Parameter(torch.randn(3, 5, 8))
+    values = param.detach().clone()
+    lay_out_transposed(param, True)
+    assert stored_transposed(param) and param.mT.is_contiguous() and torch.equal(param, values)
+    assert param.requires_grad and param.shape == (3, 5, 8)
+    storage = param.data_ptr()
+    lay_out_transposed(param, True)  # already so: left as it is
+    assert param.data_ptr() == storage
+    lay_out_rows(param, True)  # padding pads the transposed storage's own rows
+    assert stored_transposed(param) and row_padding(param.mT) == 16 and torch.equal(param, values)
+    lay_out_transposed(param, False)  # back to row-major, still padded
+    assert not stored_transposed(param) and row_padding(param) == 16 and torch.equal(param, values)
+    lay_out_transposed(param, True)
+    lay_out_rows(param, False)  # unpadded, still transposed
+    assert stored_transposed(param) and param.mT.is_contiguous() and torch.equal(param, values)
+    lay_out_transposed(param, False)
+    assert param.is_contiguous() and torch.equal(param, values)
+
+
+def test_transposed_storage_survives_dtype_conversion():
+    # Dense strides are preserved by .to(): the layout outlives a model.to(torch.bfloat16).
+    stored = store_transposed(torch.randn(2, 4, 6))
+    assert stored_transposed(stored.to(torch.bfloat16))
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="weight"):
         pad_rows([[1.0]])
@@ -78,6 +134,15 @@ def test_bad_arguments():
         row_padding("w")
     with pytest.raises(TypeError, match="dtype"):
         default_row_pad("float32")
+    with pytest.raises(TypeError, match="weight"):
+        store_transposed(None)
+    with pytest.raises(ValueError, match="weight"):
+        store_transposed(torch.randn(8))
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="pad"):
+            store_transposed(torch.randn(2, 3), bad)
+    with pytest.raises(TypeError, match="weight"):
+        stored_transposed(3)
 
 
 @settings(max_examples=25, deadline=None)
@@ -110,3 +175,41 @@ def test_grouped_matmul_on_padded_weights_is_bit_identical(counts, k, n, dtype, 
     limit = 1e-5 if dtype == torch.float32 else 2e-2
     for got, want, name in zip(results[1], (ref_y, ref_gx, ref_gw), ("out", "grad_input", "grad_weight"), strict=True):
         assert_rel_close(got, want, limit, name)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 24), min_size=1, max_size=6),
+    k=st.sampled_from([8, 16, 48, 64]),
+    n=st.sampled_from([8, 32, 64, 80]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    pad=st.sampled_from([0, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_grouped_matmul_on_input_major_storage(counts, k, n, dtype, pad, seed):
+    """A ``[E, N, K]`` weight over ``[E, K, N]`` storage, as ``store_expert_weights_input_major``
+    leaves Hugging Face experts, passed transposed: forward and both grads match the row-major
+    weight's to rounding (another kernel) and the float64 reference; the weight's grad comes back
+    in the parameter's own layout."""
+    g = torch.Generator().manual_seed(seed)
+    m = sum(counts)
+    group_list = torch.tensor(counts)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w_ENK = (torch.randn(len(counts), n, k, generator=g) / k**0.5).to(dtype)
+    dy = torch.randn(m, n, generator=g).to(dtype)
+    results = []
+    for weight in (w_ENK.clone(), store_transposed(w_ENK, pad)):
+        xl, wl = x.clone().requires_grad_(), torch.nn.Parameter(weight)
+        y = grouped_matmul(xl, wl.transpose(1, 2), group_list)
+        y.backward(dy)
+        if not pad:  # a dense layout's grad comes in the same strides
+            assert wl.grad.stride() == wl.stride()
+        results.append((y, xl.grad, wl.grad))
+    ref_y = reference_grouped_matmul(x, w_ENK.transpose(1, 2), group_list)
+    ref_gx, ref_gw = reference_grouped_matmul_grads(x, w_ENK.transpose(1, 2), group_list, dy)
+    limit = 1e-5 if dtype == torch.float32 else 2e-2
+    wants = (ref_y, ref_gx, ref_gw.transpose(1, 2))
+    for got, want, name in zip(results[1], wants, ("out", "grad_input", "grad_weight"), strict=True):
+        assert_rel_close(got, want, limit, name)
+    for a, b, name in zip(*results, ("out", "grad_input", "grad_weight"), strict=True):
+        assert_rel_close(b, a.double(), limit, name)

@@ -9,6 +9,8 @@ Implementations, all on the same weights and the same input ``x [1, T, H]``:
 - ``hf_grouped_mm``: the same block with transformers' ``grouped_mm`` experts;
 - ``hf_moe_gmm``: the same block with experts_implementation ``moe_gmm`` (our integration);
 - ``hf_moe_gmm_padded``: ``hf_moe_gmm`` after ``pad_expert_weight_rows`` (opt-in; a copy made once);
+- ``hf_moe_gmm_input_major``: ``hf_moe_gmm`` after ``store_expert_weights_input_major`` (opt-in; a
+  copy made once);
 - ``moe_gmm``: :class:`~moe_gmm.layers.SparseMoeBlock` (fused, auto backend), weights converted
   once to its ``[E, H, 2I]`` / ``[E, I, H]`` layout;
 - ``moe_gmm_eager``: the same block with ``use_grouped_expert_matmul=False`` (opt-in);
@@ -65,6 +67,7 @@ from moe_gmm.integrations.transformers import (
     moe_block_config_from_hf,
     pad_expert_weight_rows,
     register_moe_gmm_experts,
+    store_expert_weights_input_major,
 )
 from moe_gmm.layers import SparseMoeBlock
 from moe_gmm.ops.weight_layout import pad_rows
@@ -80,9 +83,29 @@ __all__ = [
     "profile_breakdown",
 ]
 
-IMPLS = ("hf_eager", "hf_grouped_mm", "hf_moe_gmm", "hf_moe_gmm_padded", "moe_gmm", "moe_gmm_eager", "moe_gmm_padded")
+IMPLS = (
+    "hf_eager",
+    "hf_grouped_mm",
+    "hf_moe_gmm",
+    "hf_moe_gmm_padded",
+    "hf_moe_gmm_input_major",
+    "moe_gmm",
+    "moe_gmm_eager",
+    "moe_gmm_padded",
+)
 DEFAULT_IMPLS = ("hf_eager", "hf_grouped_mm", "hf_moe_gmm", "moe_gmm")
-_HF_IMPL = {"hf_eager": "eager", "hf_grouped_mm": "grouped_mm", "hf_moe_gmm": "moe_gmm", "hf_moe_gmm_padded": "moe_gmm"}
+_HF_IMPL = {
+    "hf_eager": "eager",
+    "hf_grouped_mm": "grouped_mm",
+    "hf_moe_gmm": "moe_gmm",
+    "hf_moe_gmm_padded": "moe_gmm",
+    "hf_moe_gmm_input_major": "moe_gmm",
+}
+# What each opt-in Hugging Face variant does to its block's expert weights once, before the steps.
+_HF_RELAYOUT = {
+    "hf_moe_gmm_padded": (pad_expert_weight_rows, "padded expert rows"),
+    "hf_moe_gmm_input_major": (store_expert_weights_input_major, "expert weights stored input-major"),
+}
 _MODE_FACTOR = {"fwd": 1, "bwd": 2, "fwdbwd": 3}
 # moe-gmm parameters stored transposed relative to transformers' (see the module docstring).
 _TRANSPOSED = ("experts.gate_up_proj", "experts.down_proj")
@@ -184,8 +207,8 @@ def _hf_impl(name: str) -> Impl:
         with torch.device("meta"):
             hf_block = Qwen3_5MoeSparseMoeBlock(cfg)
         hf_block.load_state_dict(inp.hf_block.state_dict(), assign=True)
-        if name == "hf_moe_gmm_padded":  # this block's expert weights copied once into padded rows
-            pad_expert_weight_rows(hf_block)
+        if name in _HF_RELAYOUT:  # this block's expert weights copied once into another layout
+            _HF_RELAYOUT[name][0](hf_block)
         leaves = (inp.x, *hf_block.parameters())
         return Workload(forward=lambda: hf_block(inp.x), leaves=leaves)
 
@@ -193,7 +216,7 @@ def _hf_impl(name: str) -> Impl:
         name=name,
         prepare=prepare,
         description=f"transformers Qwen3_5MoeSparseMoeBlock, {implementation} experts"
-        + (", padded expert rows" if name == "hf_moe_gmm_padded" else ""),
+        + (f", {_HF_RELAYOUT[name][1]}" if name in _HF_RELAYOUT else ""),
     )
 
 
@@ -234,7 +257,7 @@ def layer_impls(names: list[str] | None = None, reference: str = "hf_eager") -> 
         raise ValueError(f"--impls/--reference: unknown {unknown}; choose from {list(IMPLS)}")
     if reference not in names:
         names.insert(0, reference)
-    if "hf_moe_gmm" in names or "hf_moe_gmm_padded" in names:
+    if any(_HF_IMPL.get(n) == "moe_gmm" for n in names):
         register_moe_gmm_experts()
     return [_hf_impl(n) if n in _HF_IMPL else _ours_impl(n) for n in IMPLS if n in names]
 

@@ -1,21 +1,39 @@
-"""Expert weights with padded rows: the same values, each row followed by unused elements in storage.
+"""Expert weights laid out in storage for the grouped matmul: padded rows, or a transposed storage.
 
-Why: the grouped matmul's CPU kernels read a few-row expert's weight in column strips, one line of
-each row in turn. When rows lie a multiple of 1-4 KiB apart (a contiguous float32 ``[E, K, N]``
-with N = 512 or 1024), every line of a strip falls in the same few sets of the core's caches, which
-then hold a small part of what is read ahead. One cache line of padding per row spreads them out:
-on the benchmark machine the forward of 16-row float32 experts (E256, K1024 N512 and K256 N1024)
-ran 1.2-1.3x faster on the same values, and an E256 layer's forward 1.21x, fwd+bwd 1.04-1.12x;
-bf16 gained nothing (``benchmarks/RESULTS.md``, AMD EPYC item 11, "Padded expert rows"). Every
-backend reads a strided weight in place, so only the storage changes; results are identical bit
-for bit.
+Both keep the values and shape; only the storage changes, and every backend reads a strided
+weight in place, so results stay exact.
+
+Padded rows. The grouped matmul's CPU kernels read a few-row expert's weight in column strips, one
+line of each row in turn. When rows lie a multiple of 1-4 KiB apart (a contiguous float32
+``[E, K, N]`` with N = 512 or 1024), every line of a strip falls in the same few sets of the core's
+caches, which then hold a small part of what is read ahead. One cache line of padding per row
+spreads them out: on the benchmark machine the forward of 16-row float32 experts (E256, K1024 N512
+and K256 N1024) ran 1.2-1.3x faster on the same values, and an E256 layer's forward 1.21x, fwd+bwd
+1.04-1.12x; bf16 gained nothing (``benchmarks/RESULTS.md``, AMD EPYC item 11, "Padded expert rows").
+Results are identical bit for bit.
+
+Transposed storage. Hugging Face experts keep ``[E, out, in]`` weights (``nn.Linear``'s order),
+which reach the grouped matmul as ``[E, in, out]`` views with the reduction running along the
+storage's rows. :func:`store_transposed` keeps the ``[E, out, in]`` shape over ``[E, in, out]``
+storage, so the grouped matmul sees the contiguous ``[E, K, N]`` weight its forward streams best;
+the backward's two passes swap kernels. The forward takes a different kernel, so results agree to
+rounding rather than bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ROW_PAD_BYTES", "default_row_pad", "lay_out_rows", "pad_rows", "row_padding"]
+__all__ = [
+    "ROW_PAD_BYTES",
+    "default_row_pad",
+    "lay_out_rows",
+    "lay_out_transposed",
+    "pad_rows",
+    "row_padding",
+    "store_transposed",
+    "stored_transposed",
+]
 
 # One cache line: the smallest shift that moves each row's lines to the next cache set.
 ROW_PAD_BYTES = 64
@@ -71,12 +89,59 @@ def pad_rows(weight: torch.Tensor, pad: int | None = None) -> torch.Tensor:
     return padded
 
 
+def stored_transposed(weight: torch.Tensor) -> bool:
+    """Whether ``weight [..., R, C]`` is the transposed view of a ``[..., C, R]`` storage (padded or not)
+    rather than a row-major one; a contiguous weight is not."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() < 2 or weight.numel() == 0 or weight.is_contiguous():
+        return False
+    return weight.mT.is_contiguous() or row_padding(weight.mT) > 0
+
+
+def store_transposed(weight: torch.Tensor, pad: int = 0) -> torch.Tensor:
+    """A copy of ``weight [..., R, C]`` whose storage is ``[..., C, R]`` (rows padded by ``pad``
+    elements, zeroed, when ``pad`` > 0), returned as the ``[..., R, C]`` view: same values, dtype and
+    device, detached."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() < 2:
+        raise ValueError(f"weight must have at least 2 dims [..., rows, cols], got shape {tuple(weight.shape)}")
+    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+        raise ValueError(f"pad must be an int >= 0, got {pad!r}")
+    flipped = weight.detach().mT
+    return (pad_rows(flipped, pad) if pad else flipped.contiguous()).mT
+
+
+def _storage_rows(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``t`` as the view whose rows are its storage's rows, and whether that took a transpose."""
+    return (t.mT, True) if stored_transposed(t) else (t, False)
+
+
 def lay_out_rows(param: torch.Tensor, padded: bool) -> None:
     """Re-lay out ``param`` in place, replacing its ``.data`` (the object, and an optimizer's hold on
-    it, stay): padded rows with ``padded`` (on CPU; elsewhere it is left as it is), contiguous
-    without. The values do not change."""
+    it, stay): padded rows with ``padded`` (on CPU; elsewhere it is left as it is), unpadded without.
+    A transposed storage stays transposed, its own rows padded or not. The values do not change."""
     with torch.no_grad():
-        if padded and param.device.type == "cpu" and row_padding(param) == 0:
-            param.data = pad_rows(param.data)
-        elif not padded and not param.is_contiguous():
-            param.data = param.data.contiguous()
+        rows, flipped = _storage_rows(param.data)
+        if padded and param.device.type == "cpu" and row_padding(rows) == 0:
+            rows = pad_rows(rows)
+        elif not padded and not rows.is_contiguous():
+            rows = rows.contiguous()
+        else:
+            return
+        param.data = rows.mT if flipped else rows
+
+
+def lay_out_transposed(param: torch.Tensor, transposed: bool) -> None:
+    """Re-lay out ``param [..., R, C]`` in place, replacing its ``.data``: over ``[..., C, R]`` storage
+    with ``transposed`` (:func:`store_transposed`), row-major without. Padded rows stay padded (by
+    the default pad). The values do not change."""
+    with torch.no_grad():
+        if param.dim() < 2 or stored_transposed(param.data) == transposed:
+            return
+        rows, _ = _storage_rows(param.data)
+        padded = row_padding(rows) > 0
+        source = param.data.mT if transposed else param.data  # the new storage's rows
+        new_rows = pad_rows(source) if padded else source.contiguous()
+        param.data = new_rows.mT if transposed else new_rows
