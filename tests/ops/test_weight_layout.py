@@ -145,23 +145,33 @@ def test_bad_arguments():
         stored_transposed(3)
 
 
+def _random_gmm_inputs(counts, k, n, dtype, seed, *, weight_nk=False):
+    """group_list, x [M, k], a weight [E, k, n] ([E, n, k] with weight_nk) scaled by k**-0.5, dy [M, n]."""
+    g = torch.Generator().manual_seed(seed)
+    m = sum(counts)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    shape = (len(counts), n, k) if weight_nk else (len(counts), k, n)
+    w = (torch.randn(shape, generator=g) / k**0.5).to(dtype)
+    dy = torch.randn(m, n, generator=g).to(dtype)
+    return torch.tensor(counts), x, w, dy
+
+
+# Random grouped-matmul problems: uneven and empty groups, widths on and off the kernels' multiples.
+_GMM_PROBLEMS = {
+    "counts": st.lists(st.integers(0, 24), min_size=1, max_size=6),
+    "k": st.sampled_from([8, 16, 48, 64]),
+    "n": st.sampled_from([8, 32, 64, 80]),
+    "dtype": st.sampled_from([torch.float32, torch.bfloat16]),
+    "seed": st.integers(0, 2**16),
+}
+
+
 @settings(max_examples=25, deadline=None)
-@given(
-    counts=st.lists(st.integers(0, 24), min_size=1, max_size=6),
-    k=st.sampled_from([8, 16, 48, 64]),
-    n=st.sampled_from([8, 32, 64, 80]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    seed=st.integers(0, 2**16),
-)
+@given(**_GMM_PROBLEMS)
 def test_grouped_matmul_on_padded_weights_is_bit_identical(counts, k, n, dtype, seed):
     """Only the storage differs: forward, grad_input and grad_weight equal the contiguous weight's
     bit for bit (auto backend), and both match the float64 reference."""
-    g = torch.Generator().manual_seed(seed)
-    m = sum(counts)
-    group_list = torch.tensor(counts)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = (torch.randn(len(counts), k, n, generator=g) / k**0.5).to(dtype)
-    dy = torch.randn(m, n, generator=g).to(dtype)
+    group_list, x, w, dy = _random_gmm_inputs(counts, k, n, dtype, seed)
     results = []
     for weight in (w.clone(), pad_rows(w)):
         xl, wl = x.clone().requires_grad_(), weight.requires_grad_()
@@ -178,25 +188,13 @@ def test_grouped_matmul_on_padded_weights_is_bit_identical(counts, k, n, dtype, 
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    counts=st.lists(st.integers(0, 24), min_size=1, max_size=6),
-    k=st.sampled_from([8, 16, 48, 64]),
-    n=st.sampled_from([8, 32, 64, 80]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    pad=st.sampled_from([0, 16]),
-    seed=st.integers(0, 2**16),
-)
+@given(**_GMM_PROBLEMS, pad=st.sampled_from([0, 16]))
 def test_grouped_matmul_on_input_major_storage(counts, k, n, dtype, pad, seed):
     """A ``[E, N, K]`` weight over ``[E, K, N]`` storage, as ``store_expert_weights_input_major``
     leaves Hugging Face experts, passed transposed: forward and both grads match the row-major
     weight's to rounding (another kernel) and the float64 reference; the weight's grad comes back
     in the parameter's own layout."""
-    g = torch.Generator().manual_seed(seed)
-    m = sum(counts)
-    group_list = torch.tensor(counts)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w_ENK = (torch.randn(len(counts), n, k, generator=g) / k**0.5).to(dtype)
-    dy = torch.randn(m, n, generator=g).to(dtype)
+    group_list, x, w_ENK, dy = _random_gmm_inputs(counts, k, n, dtype, seed, weight_nk=True)
     results = []
     for weight in (w_ENK.clone(), store_transposed(w_ENK, pad)):
         xl, wl = x.clone().requires_grad_(), torch.nn.Parameter(weight)
