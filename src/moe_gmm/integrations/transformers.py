@@ -193,13 +193,13 @@ def store_expert_weights_input_major(model: torch.nn.Module) -> list[str]:
     contiguous ``[E, K, N]`` weight the grouped matmul's forward reads fastest. On the benchmark
     machine a Qwen3.5-MoE block's forward with ``experts_implementation="moe_gmm"`` ran 1.13-1.23x
     faster so in bf16 and 1.07-1.16x in float32 at E >= 64 (even at E8), fwd+bwd 0.96-1.08x
-    (``benchmarks/RESULTS.md``, "Expert weights stored input-major"): a gain for inference. The forward takes another kernel, so
-    results agree with the default
-    layout to rounding, not bit for bit. Row padding (:func:`pad_expert_weight_rows`, before or
-    after) is kept. ``.to(dtype)`` keeps the layout (PyTorch preserves a dense tensor's strides);
-    ``save_pretrained`` writes the usual contiguous checkpoint. Modules whose weights are already
-    ``[E, in, out]`` (``is_transposed``) and moe-gmm's own :class:`~moe_gmm.layers.GroupedExperts`
-    are left as they are.
+    (``benchmarks/RESULTS.md``, "Expert weights stored input-major"): a gain for inference. The
+    forward takes another kernel, so results agree with the default layout to rounding, not bit for
+    bit. Row padding (:func:`pad_expert_weight_rows`, before or after) is kept. ``.to(dtype)`` keeps
+    the unpadded layout (PyTorch preserves a dense tensor's strides); ``save_pretrained`` writes the
+    usual contiguous checkpoint. Modules whose weights are already ``[E, in, out]``
+    (``is_transposed``) and moe-gmm's own :class:`~moe_gmm.layers.GroupedExperts` are left as they
+    are.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
