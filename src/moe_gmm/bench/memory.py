@@ -238,6 +238,14 @@ def _prime(job: Job) -> None:
     host_cache.clear()
 
 
+def _run_steps(step: Callable[[], Any], count: int) -> None:
+    """``count`` steps, each one's gradients dropped and garbage collected before the next."""
+    for _ in range(count):
+        grads = step()
+        del grads
+        gc.collect()
+
+
 def measure_peak(
     build: Callable[[], Workload],
     grad_out: torch.Tensor,
@@ -253,11 +261,11 @@ def measure_peak(
     ``measured_steps`` fwd+bwd steps after ``warmup_steps`` unmeasured ones. Returns the workload
     too, so the budget can be counted on the same tensors afterwards.
     """
-    for name, value, least in (("warmup_steps", warmup_steps, 1), ("measured_steps", measured_steps, 1)):
+    for name, value in (("warmup_steps", warmup_steps), ("measured_steps", measured_steps)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < least:
-            raise ValueError(f"{name} must be >= {least}, got {value}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     gc.collect()
     _trim_heap()
     before = _resident()
@@ -265,19 +273,12 @@ def measure_peak(
     gc.collect()
     _trim_heap()  # the build's temporaries (other layouts, fp32 init) are not the step's memory
     step = _timed_callable(workload, "fwdbwd", grad_out)
-    for _ in range(warmup_steps):  # allocator caches, thread pools, lazily built kernels, the heap's size
-        grads = step()
-        del grads
-        gc.collect()
-    gc.collect()
+    _run_steps(step, warmup_steps)  # allocator caches, thread pools, lazily built kernels, the heap's size
     if before is None:
         return Peak(baseline=0, held=0, peak=None, note="peak unavailable: no /proc/self/status"), workload
     ready = _resident()
     note = _reset_high_water_mark()
-    for _ in range(measured_steps):
-        grads = step()
-        del grads
-        gc.collect()
+    _run_steps(step, measured_steps)
     after = _resident()
     assert ready is not None and after is not None
     peak = None if note else after[1] - before[0]
