@@ -22,7 +22,7 @@ import torch
 
 from moe_gmm.bench.harness import TimingSettings, time_interleaved
 from moe_gmm.bench.machine import describe_machine, measure_copy_bandwidth
-from moe_gmm.bench.table import write_outputs
+from moe_gmm.bench.table import markdown_table, write_outputs
 from moe_gmm.ops import native
 from moe_gmm.ops.permute import permute, unpermute
 from moe_gmm.ops.swiglu import swiglu
@@ -138,16 +138,21 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"copy bandwidth {report['copy_bandwidth_gb_s']:.1f} GB/s, {report['threads']} threads",
         "",
-        "| case | dtype | op | floor ms | native ms (x floor) | composed ms (x floor) | native speed-up |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for row in report["rows"]:
-        lines.append(
-            f"| {row['case']} | {row['dtype']} | {row['op']} | {row['floor_ms']:.3f} | "
-            f"{row['native_ms']:.3f} ({row['native_x_floor']:.2f}x) | "
-            f"{row['composed_ms']:.3f} ({row['composed_x_floor']:.2f}x) | {row['speedup']:.2f}x |"
+    header = ("case", "dtype", "op", "floor ms", "native ms (x floor)", "composed ms (x floor)", "native speed-up")
+    cells = [
+        (
+            row["case"],
+            row["dtype"],
+            row["op"],
+            f"{row['floor_ms']:.3f}",
+            f"{row['native_ms']:.3f} ({row['native_x_floor']:.2f}x)",
+            f"{row['composed_ms']:.3f} ({row['composed_x_floor']:.2f}x)",
+            f"{row['speedup']:.2f}x",
         )
-    return "\n".join(lines) + "\n"
+        for row in report["rows"]
+    ]
+    return "\n".join(lines + markdown_table(header, cells)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,6 +81,7 @@ import torch
 
 from moe_gmm.bench.harness import Workload, _timed_callable
 from moe_gmm.bench.machine import DTYPE_NAMES
+from moe_gmm.bench.table import markdown_table
 
 __all__ = [
     "KINDS",
@@ -472,8 +473,7 @@ def print_memory_table(records: list[dict[str, Any]], console=None) -> None:
 def memory_markdown(records: list[dict[str, Any]]) -> str:
     """The same table as Markdown."""
     out = ["peak memory of one fwd+bwd step (MiB)", "", MEMORY_CAPTION + ".", ""]
-    out += ["| " + " | ".join(_HEADER) + " |", "|---|---|---|" + "---:|" * (len(_HEADER) - 3)]
-    out += ["| " + " | ".join(row) + " |" for row in _memory_rows(records)]
+    out += markdown_table(_HEADER, _memory_rows(records), right=range(3, len(_HEADER)))
     out += [f"- {line}" for line in _notes(records)]
     return "\n".join(out) + "\n"
 

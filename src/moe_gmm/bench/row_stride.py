@@ -29,7 +29,7 @@ import torch
 from moe_gmm.bench.gmm import CASE_SETS, PROJECTIONS, GmmCase, auto_backend_name, case_set, gmm_impls
 from moe_gmm.bench.harness import MODES, TimingSettings, _timed_callable, split_choices, time_interleaved
 from moe_gmm.bench.machine import DTYPE_NAMES
-from moe_gmm.bench.table import write_outputs
+from moe_gmm.bench.table import markdown_table, write_outputs
 
 __all__ = ["compare_case", "main", "markdown"]
 
@@ -95,18 +95,26 @@ def markdown(rows: list[dict[str, Any]], backend: str, threads: int) -> str:
             "speed-up of the padded rows (contiguous median / padded median)"
         ),
         "",
-        "| case | projection | dtype | mode | pad | row stride (bytes) | contiguous | padded | speed-up | identical |",
-        "|---|---|---|---|---:|---|---:|---:|---:|---|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['case']} | {r['label']} | {r['dtype']} | {r['mode']} | {r['pad']} | "
-            f"{r['weight_row_stride_bytes'][0]} / {r['weight_row_stride_bytes'][1]} | "
-            f"{r['contiguous_median_s'] * 1e3:.2f} ({r['contiguous_min_s'] * 1e3:.2f}) | "
-            f"{r['padded_median_s'] * 1e3:.2f} ({r['padded_min_s'] * 1e3:.2f}) | {r['speedup']:.2f}x | "
-            f"{'yes' if r['identical'] else '**no**'} |"
+    header = (
+        "case", "projection", "dtype", "mode", "pad", "row stride (bytes)", "contiguous", "padded", "speed-up", "identical"
+    )  # fmt: skip
+    cells = [
+        (
+            r["case"],
+            r["label"],
+            r["dtype"],
+            r["mode"],
+            r["pad"],
+            f"{r['weight_row_stride_bytes'][0]} / {r['weight_row_stride_bytes'][1]}",
+            f"{r['contiguous_median_s'] * 1e3:.2f} ({r['contiguous_min_s'] * 1e3:.2f})",
+            f"{r['padded_median_s'] * 1e3:.2f} ({r['padded_min_s'] * 1e3:.2f})",
+            f"{r['speedup']:.2f}x",
+            "yes" if r["identical"] else "**no**",
         )
-    return "\n".join(lines) + "\n"
+        for r in rows
+    ]
+    return "\n".join(lines + markdown_table(header, cells, right={4, 6, 7, 8})) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

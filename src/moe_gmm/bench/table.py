@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from moe_gmm.bench.harness import BenchReport, summarize
 
-__all__ = ["markdown_report", "print_report", "write_outputs"]
+__all__ = ["markdown_report", "markdown_table", "print_report", "write_outputs"]
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]], right: Collection[int] = ()) -> list[str]:
+    """A Markdown pipe table as lines: the header, its rule (right-aligned for the column indices in
+    ``right``), one line per row; a ``|`` inside a cell becomes ``/``."""
+    rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(header)))
+    lines = ["| " + " | ".join(header) + " |", rule]
+    return lines + ["| " + " | ".join(str(cell).replace("|", "/") for cell in row) + " |" for row in rows]
 
 
 def _ms(seconds: float) -> str:
@@ -146,8 +155,7 @@ def markdown_report(report: BenchReport) -> str:
     out = [f"### {report.title}", ""]
     out += [f"- {line}" for line in _header_lines(report)]
     for header, lines in (_table_data(report), _summary_data(report)):
-        out += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        out += ["| " + " | ".join(cell.replace("|", "/") for cell in line) + " |" for line in lines]
+        out += ["", *markdown_table(header, lines)]
     return "\n".join(out) + "\n"
 
 
