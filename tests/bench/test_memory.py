@@ -15,6 +15,7 @@ from moe_gmm.bench import memory, moe_layer
 from moe_gmm.bench.machine import Limits
 from moe_gmm.bench.memory import (
     layer_budget,
+    live_tensor_peak_bytes,
     measure_in_subprocess,
     measure_workload,
     memory_markdown,
@@ -83,6 +84,43 @@ def test_linear_in_a_fresh_process_sees_its_weights():
     assert (record["warmup_steps"], record["measured_steps"]) == (memory.WARMUP_STEPS, memory.MEASURED_STEPS)
     # A plain linear layer reaches its steady state in the warm-up: nothing grows after it.
     assert abs(record["drift_bytes"]) < 4 * 1024 * 1024
+    # At the end of the backward w, x, dw and dx are alive; at most one [m, n] gradient beside them
+    # (sigmoid's output is saved, its gradient transient).
+    grads_and_leaves = record["budget_bytes"] - record["saved_bytes"]
+    assert grads_and_leaves <= record["tensor_peak_bytes"] <= record["budget_bytes"] + m * n * 4
+    assert record["tensor_ratio"] == record["tensor_peak_bytes"] / record["budget_bytes"]
+
+
+def test_live_tensor_peak_sees_each_tensor_of_a_hand_counted_step():
+    m, k, n = 64, 128, 256
+    make_job, _ = memory.KINDS["linear"]
+    build, grad_out = make_job({"rows": m, "inner": k, "cols": n, "dtype": "fp32"})
+    workload = build()
+    # Held: w and x. Allocated: the forward's output (saved), sigmoid's input gradient, then dx and
+    # dw while that gradient is still referenced: all four at once at the end of mm's backward.
+    expected = (k * n + m * k) + (m * n + m * n + m * k + k * n)
+    assert live_tensor_peak_bytes(workload, grad_out) // 4 in range(expected - 64, expected + 1)
+
+
+def test_live_tensor_peak_counts_host_cached_outputs_and_restores_the_cache():
+    # Warmed up with the cache on, the layer's weight gradients come from cached storages, which
+    # are no allocation: the measure has to see them all the same.
+    case = case_set("tiny")[0]
+    params = {**case.params(), "num_tokens": 256, "hidden": 512, "intermediate": 256}
+    make_job, _ = memory.KINDS["moe_layer"]
+    build, grad_out = make_job({"case": params, "dtype": "fp32", "impl": "moe_gmm"})
+    workload = build()
+    limit = host_cache.limit_bytes()
+    step = memory._timed_callable(workload, "fwdbwd", grad_out)
+    memory._run_steps(step, 2)
+    assert host_cache.stats().storages > 0
+    peak = live_tensor_peak_bytes(workload, grad_out)
+    budget = layer_budget(workload)
+    assert peak >= budget.total - budget.saved
+    assert host_cache.limit_bytes() == limit
+    memory._run_steps(step, 2)
+    assert host_cache.stats().hits > 0  # caching is back on
+    host_cache.clear()
 
 
 def test_step_counts_reach_the_subprocess_and_the_table():
@@ -169,6 +207,12 @@ def test_bad_kind_and_impl():
         make_job({"case": case_set("tiny")[0].params(), "dtype": "fp8", "impl": "moe_gmm"})
     text = memory_markdown([{"case": "c", "dtype": "fp32", "impl": "i", "error": "boom"}])
     assert "error" in text and "boom" in text
+
+
+def test_table_of_a_record_from_before_the_tensor_peak():
+    record = {"case": "c", "dtype": "fp32", "impl": "i", "ratio": 1.5, "peak_bytes": 3 << 20, "budget_bytes": 2 << 20}
+    text = memory_markdown([record])
+    assert "| tensor peak | tensor/budget |" in text and "| 1.50 | - | - |" in text
 
 
 def test_runner_memory_option_writes_json_and_markdown(tmp_path, monkeypatch):

@@ -12,6 +12,16 @@ Definitions (the memory table's caption repeats them):
   during one steady-state forward+backward step, minus the resident memory (``VmRSS``) measured
   just before the layer's weights and input were created. It counts everything real: allocator
   caches, fragmentation, a library's reusable buffers, thread-pool stacks.
+- ``tensor peak`` = the largest number of bytes held by live CPU tensors at any moment of one
+  steady-state step: the weights' and input's storages plus the high-water mark of the tensor bytes
+  allocated during the step (torch's CPU allocator reports every allocation and free to
+  ``torch.profiler`` under ``profile_memory=True``; this is the CPU analogue of
+  ``torch.cuda.max_memory_allocated``). It measures the algorithm's own memory; ``peak`` adds what
+  the allocators keep (glibc's heap, :mod:`moe_gmm.ops.host_cache`), one-time library state and
+  page granularity. It is taken with the host cache off (the same tensors, each from torch's
+  allocator, so the profiler sees them) on the already warmed-up layer, after ``peak``. Not seen:
+  memory a library takes from ``malloc`` directly (oneDNN's and MKL's scratch, native kernels'
+  per-thread row buffers).
 - target: ``peak / budget <= 1.2``.
 
 Procedure, in a fresh process per implementation (resident memory is process-wide: building one
@@ -91,6 +101,7 @@ __all__ = [
     "Budget",
     "Peak",
     "layer_budget",
+    "live_tensor_peak_bytes",
     "measure_in_subprocess",
     "measure_peak",
     "measure_workload",
@@ -109,7 +120,8 @@ MEMORY_CAPTION = (
     "warm-up steps (unless noted), minus resident memory before the weights and input existed (fresh process "
     "per impl); budget = weights + their grads + x and dx + activations autograd saves in the forward (unique "
     "storages); held = resident between steps, before the measured ones; drift = resident growth over the "
-    f"measured steps; target peak/budget <= {TARGET_RATIO}"
+    "measured steps; tensor peak = weights + x + the most tensor bytes allocated and not yet freed at any moment "
+    f"of one step (torch.profiler's memory events, host cache off); target peak/budget <= {TARGET_RATIO}"
 )
 
 
@@ -289,6 +301,40 @@ def measure_peak(
     )
 
 
+def live_tensor_peak_bytes(workload: Workload, grad_out: torch.Tensor) -> int:
+    """The most bytes live CPU tensors hold at any moment of one fwd+bwd step of ``workload``.
+
+    That is the storages of ``workload.leaves`` (weights and input, alive throughout) plus the
+    high-water mark of the bytes torch's CPU allocator hands out and takes back during the step, as
+    ``torch.profiler`` records them (``profile_memory=True``). ``grad_out`` is the caller's and
+    counted nowhere. :mod:`moe_gmm.ops.host_cache` is off for the step (and one step before it, so
+    no cached storage is handed out unseen), then set back: with it on, a reused storage is no
+    allocation and would be missed. Run it on a warmed-up layer.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from moe_gmm.ops import host_cache
+
+    step = _timed_callable(workload, "fwdbwd", grad_out)
+    limit = host_cache.limit_bytes()
+    host_cache.set_limit_bytes(0)
+    host_cache.clear()
+    try:
+        _run_steps(step, 1)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            _run_steps(step, 1)
+        events = prof.profiler.kineto_results.events()
+        # Stable sort: an allocation and its free can share a timestamp; the record order keeps them right.
+        changes = [e.nbytes() for e in sorted(events, key=lambda e: e.start_ns()) if e.name() == "[memory]"]
+    finally:
+        host_cache.set_limit_bytes(limit)
+    live = high = 0
+    for change in changes:
+        live += change
+        high = max(high, live)
+    return unique_storage_bytes(workload.leaves) + high
+
+
 def measure_workload(
     job: Job,
     *,
@@ -305,6 +351,7 @@ def measure_workload(
         _prime(prime)
         del prime
     peak, workload = measure_peak(*job, warmup_steps=warmup_steps, measured_steps=measured_steps)
+    tensor_peak = live_tensor_peak_bytes(workload, job[1])
     budget = layer_budget(workload, num_inputs=num_inputs)
     ratio = peak.peak / budget.total if peak.peak is not None and budget.total else None
     return {
@@ -317,6 +364,8 @@ def measure_workload(
         "warmup_steps": warmup_steps,
         "measured_steps": measured_steps,
         "ratio": ratio,
+        "tensor_peak_bytes": tensor_peak,
+        "tensor_ratio": tensor_peak / budget.total if budget.total else None,
         "note": peak.note,
         "threads": torch.get_num_threads(),
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"},
@@ -423,8 +472,13 @@ def _mib(value: int | None) -> str:
 
 
 _HEADER = (
-    "case", "dtype", "impl", "weights", "grads", "saved act.", "x+dx", "budget", "held", "drift", "peak", "peak/budget"
+    "case", "dtype", "impl", "weights", "grads", "saved act.", "x+dx", "budget", "held", "drift", "peak", "peak/budget",
+    "tensor peak", "tensor/budget",
 )  # fmt: skip
+
+
+def _ratio_text(ratio: float | None) -> str:
+    return "-" if ratio is None or not math.isfinite(ratio) else f"{ratio:.2f}"
 
 
 def _memory_rows(records: list[dict[str, Any]]) -> list[list[str]]:
@@ -432,12 +486,12 @@ def _memory_rows(records: list[dict[str, Any]]) -> list[list[str]]:
     for r in records:
         head = [r["case"], r["dtype"], r["impl"]]
         if r.get("error"):
-            rows.append([*head, *(["-"] * 8), "error"])
+            rows.append([*head, *(["-"] * 8), "error", "-", "-"])
             continue
-        ratio = r["ratio"]
-        ratio_text = "-" if ratio is None or not math.isfinite(ratio) else f"{ratio:.2f}"
         parts = ("weights", "grads", "saved", "inputs", "budget", "held", "drift", "peak")
-        rows.append([*head, *(_mib(r.get(f"{p}_bytes")) for p in parts), ratio_text])
+        row = [*head, *(_mib(r.get(f"{p}_bytes")) for p in parts), _ratio_text(r["ratio"])]
+        # Records written before the tensor peak existed have no such field.
+        rows.append([*row, _mib(r.get("tensor_peak_bytes")), _ratio_text(r.get("tensor_ratio"))])
     return rows
 
 
