@@ -42,6 +42,28 @@ def test_profile_breakdown_has_every_phase():
         assert result["fwd"][phase] > 0, phase
 
 
+def test_profile_breakdown_reports_the_median_step_whole(monkeypatch):
+    totals = iter([5.0, 1.0, 9.0, 3.0])  # the lower middle of four: 3.0
+
+    def fake_phases(prof):
+        total = next(totals)
+        return {
+            "fwd": {"gmm": total / 2, "other": 0.0, "total": total / 2},
+            "bwd": {"gmm": total / 2, "total": total / 2},
+        }
+
+    monkeypatch.setattr(moe_layer, "_phases_of", fake_phases)
+    result = profile_breakdown(TINY, torch.float32, steps=4)
+    assert result["fwd"]["total"] + result["bwd"]["total"] == 3.0
+    assert result["fwd"]["gmm"] == 1.5
+
+
+@pytest.mark.parametrize(("steps", "error"), [(0, ValueError), (2.0, TypeError), (True, TypeError)])
+def test_profile_breakdown_rejects_bad_steps(steps, error):
+    with pytest.raises(error, match="steps"):
+        profile_breakdown(TINY, torch.float32, steps=steps)
+
+
 def test_case_sets_and_impl_names():
     assert [c.name for c in case_set("qwen")] == ["E64-k8-T1024", "E64-k8-T4096", "E256-k8-T1024", "E256-k8-T4096"]
     assert case_set("quick")[0].flops("fwdbwd") == 3 * case_set("quick")[0].flops("fwd")

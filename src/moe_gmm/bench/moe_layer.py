@@ -31,7 +31,7 @@ Work per mode (``s`` bytes per element, ``R = T k``):
 :func:`profile_breakdown` times ``moe_gmm``'s phases with ``torch.profiler`` from the
 ``record_function`` labels in the layer: ``moe::router``, ``moe::permute``, ``moe::gmm``,
 ``moe::swiglu``, ``moe::unpermute``, ``moe::shared_expert`` (forward), ``moe::*_bwd`` and the
-grouped matmul's grad ops (backward).
+grouped matmul's grad ops (backward); it reports the median of ``--breakdown-steps`` profiled steps.
 
 ``--memory`` also reports, per case x dtype x implementation, the resident peak of one fwd+bwd step
 against its budget (weights + grads + ``x`` and ``dx`` + the activations autograd saves), each
@@ -322,32 +322,9 @@ _BWD_PHASES = {
 PHASES = ("router", "permute", "gmm", "swiglu", "unpermute", "shared_expert", "other")
 
 
-def profile_breakdown(case: MoeLayerCase, dtype: torch.dtype, *, steps: int = 3) -> dict[str, dict[str, float]]:
-    """Milliseconds per step of ``moe_gmm``'s forward and backward, by phase.
-
-    ``other`` is the rest of the labelled step: in the forward the residual add and reshapes, in
-    the backward the router's and the shared expert's autograd (plain ``nn.Linear`` ops, not
-    labelled individually, so ``bwd`` has no ``router``/``shared_expert`` entries) and gradient
-    bookkeeping. One warm-up step runs outside the profile.
-    """
-    inp = case.make_inputs(dtype)
-    block, x = inp.block, inp.x
-    params = [x, *block.parameters()]
-    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-
-    def step():
-        with record_function("moe::step_fwd"):
-            out = block(x)
-        with record_function("moe::step_bwd"):
-            torch.autograd.grad(out, params, dy)
-
-    step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-    totals = {e.key: e.cpu_time_total / 1e3 / steps for e in prof.key_averages()}
-    # The router's and the shared expert's backward are plain autograd ops without labels: they are
-    # part of the backward's "other", so the backward has no separate entries for them.
+def _phases_of(prof) -> dict[str, dict[str, float]]:
+    """One profiled step's milliseconds by phase."""
+    totals = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages()}
     out: dict[str, dict[str, float]] = {
         "fwd": dict.fromkeys(PHASES, 0.0),
         "bwd": dict.fromkeys((p for p in PHASES if p not in ("router", "shared_expert")), 0.0),
@@ -361,6 +338,43 @@ def profile_breakdown(case: MoeLayerCase, dtype: torch.dtype, *, steps: int = 3)
         out[direction]["other"] = max(totals.get(label, 0.0) - labelled, 0.0)
         out[direction]["total"] = totals.get(label, 0.0)
     return out
+
+
+def profile_breakdown(case: MoeLayerCase, dtype: torch.dtype, *, steps: int = 3) -> dict[str, dict[str, float]]:
+    """Milliseconds of ``moe_gmm``'s forward and backward by phase, in the median of ``steps`` steps.
+
+    Each step is profiled on its own; the result is the step whose fwd+bwd total is the median (the
+    lower of the two middle ones for an even count), whole, so its phases add up to its total. One
+    step disturbed by the machine (a shared VM's steps vary by several ms) then moves no phase.
+    ``other`` is the rest of the labelled step: in the forward the residual add and reshapes, in
+    the backward the router's and the shared expert's autograd (plain ``nn.Linear`` ops, not
+    labelled individually, so ``bwd`` has no ``router``/``shared_expert`` entries) and gradient
+    bookkeeping. One warm-up step runs outside the profile. The profiler's cost per op is in every
+    phase, most in those of many short ops (permute, unpermute).
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"steps must be an int, got {type(steps).__name__}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    inp = case.make_inputs(dtype)
+    block, x = inp.block, inp.x
+    params = [x, *block.parameters()]
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+    def step():
+        with record_function("moe::step_fwd"):
+            out = block(x)
+        with record_function("moe::step_bwd"):
+            torch.autograd.grad(out, params, dy)
+
+    step()
+    results = []
+    for _ in range(steps):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        results.append(_phases_of(prof))
+    results.sort(key=lambda r: r["fwd"]["total"] + r["bwd"]["total"])
+    return results[(steps - 1) // 2]
 
 
 def _print_breakdown(console, case: MoeLayerCase, dtype: torch.dtype, result: dict[str, dict[str, float]]) -> None:
@@ -422,7 +436,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="numerics and speed-up reference (default hf_eager; its O(E^2) backward takes minutes per step "
         "at E=256 on a CPU, so large-E runs compare against hf_grouped_mm)",
     )
-    p.add_argument("--breakdown-steps", type=int, default=3, help="profiled steps per phase breakdown (0: none)")
+    p.add_argument(
+        "--breakdown-steps",
+        type=int,
+        default=3,
+        help="profiled steps per phase breakdown, the median step reported (0: none)",
+    )
     p.add_argument(
         "--memory",
         action="store_true",
