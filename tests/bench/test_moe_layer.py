@@ -58,6 +58,14 @@ def test_profile_breakdown_reports_the_median_step_whole(monkeypatch):
     assert result["fwd"]["gmm"] == 1.5
 
 
+def test_glue_alone_is_a_part_of_the_step():
+    settings = TimingSettings(warmup=1, min_repeats=3, max_repeats=3, min_seconds=0.0)
+    glue = moe_layer.time_glue_alone(TINY, torch.float32, settings)
+    # The step runs the same permute and unpermute plus the router, experts and shared expert.
+    assert 0 < glue["glue_ms"] < glue["step_ms"]
+    assert glue["share"] == glue["glue_ms"] / glue["step_ms"]
+
+
 @pytest.mark.parametrize(("steps", "error"), [(0, ValueError), (2.0, TypeError), (True, TypeError)])
 def test_profile_breakdown_rejects_bad_steps(steps, error):
     with pytest.raises(error, match="steps"):
@@ -89,8 +97,10 @@ def test_runner_writes_json_and_markdown(tmp_path, monkeypatch):
     assert {r["impl"] for r in data["rows"]} == {"hf_eager", "hf_grouped_mm", "hf_moe_gmm", "moe_gmm"}
     assert all(r["rel_err"] < 1e-5 for r in data["rows"])
     assert data["breakdown"][0]["ms_per_step"]["fwd"]["gmm"] > 0
+    assert 0 < data["breakdown"][0]["glue_alone"]["share"] < 1
     text = md.read_text()
     assert "moe_gmm time by phase" in text and "| gmm |" in text
+    assert "permute + unpermute fwd+bwd timed alone, without the profiler" in text
 
 
 def test_runner_with_another_reference(tmp_path, monkeypatch):
