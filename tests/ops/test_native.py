@@ -63,12 +63,49 @@ def _round_trip(num_tokens, top_k, num_experts, hidden, dtype, seed, *, grads=(T
 def test_kernels_build_and_load():
     assert native.available(), native.unavailable_reason()
     assert native.library_path().exists()
-    for name in ("slot_sum", "unpermute_backward", "swiglu", "swiglu_backward"):
+    for name in ("permute_rows", "slot_sum", "unpermute_backward", "swiglu", "swiglu_backward"):
         assert hasattr(torch.ops.moe_gmm_native, name)
     assert native.ops(torch.empty(1, dtype=torch.bfloat16)) is not None
     assert native.ops(torch.empty(1, dtype=torch.float64)) is None, "float64 stays on the composed path"
     with native.disabled():
         assert native.ops(torch.empty(1)) is None
+
+
+@needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(
+    num_tokens=st.integers(1, 40),
+    top_k=st.integers(1, 8),
+    num_experts=st.integers(1, 300),
+    hidden=st.integers(1, 70),
+    dtype=st.sampled_from(DTYPES),
+    id_dtype=st.sampled_from((torch.int32, torch.int64)),
+    seed=st.integers(0, 10_000),
+)
+def test_native_permute_is_the_composed_permute_bit_for_bit(
+    num_tokens, top_k, num_experts, hidden, dtype, id_dtype, seed
+):
+    g = torch.Generator().manual_seed(seed)
+    # Skewed ids: many experts empty, some with many rows, duplicates within a token.
+    ids = (torch.rand(num_tokens, top_k, generator=g) ** 3 * num_experts).long().clamp_(max=num_experts - 1)
+    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    got = permute(x, ids.to(id_dtype), num_experts)
+    with native.disabled():
+        composed = permute(x, ids.to(id_dtype), num_experts)
+    for a, b, name in zip(got, composed, ("permuted", "row_id_map", "tokens_per_expert")):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(
+            a.view(torch.uint8) if a.is_floating_point() else a, b.view(torch.uint8) if b.is_floating_point() else b
+        ), name
+
+
+@needs_kernels
+@pytest.mark.parametrize("bad", [-1, 4])
+def test_native_permute_rejects_an_id_outside_the_experts_unvalidated(bad):
+    # validate=False skips the Python range check; the kernel still refuses instead of writing out of bounds.
+    ids = torch.tensor([[0, 1], [bad, 2]])
+    with pytest.raises(RuntimeError, match=r"expert id .* outside \[0, 4\)"):
+        permute(torch.randn(2, 8), ids, 4, validate=False)
 
 
 @needs_kernels

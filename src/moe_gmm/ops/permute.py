@@ -18,10 +18,11 @@ traces a layer through them. Neither uses atomics: the forward of ``permute`` an
 ``[n, 1, k] @ [n, k, H]`` batched GEMM), accumulated in float32 for 16-bit inputs. Results are
 therefore reproducible run to run. Large outputs come from :mod:`moe_gmm.ops.host_cache`.
 
-On CPU (float32, bfloat16, float16) the k-way sums and both of unpermute's gradients run as
-one-pass native kernels (:mod:`moe_gmm.ops.native`: slot order and float32 accumulation as above,
-each row read once); the composed torch path below stays for other devices, float64 and machines
-without a C++ compiler. On an Ascend NPU with torch_npu the forward passes run the vendor's fused
+On CPU (float32, bfloat16, float16) permute's forward (a counting sort of the ids and one row
+copy), the k-way sums and both of unpermute's gradients run as one-pass native kernels
+(:mod:`moe_gmm.ops.native`: slot order and float32 accumulation as above, each row read once);
+the composed torch path below stays for other devices, float64 and machines without a C++
+compiler. On an Ascend NPU with torch_npu the forward passes run the vendor's fused
 kernels (``moe_gmm.ops.npu_fused``); the backward formulas are the same everywhere.
 """
 
@@ -110,6 +111,19 @@ def _permute_op(
     if vendor is not None and npu_fused.permute_fits(selected_experts_Tk, num_experts):
         return npu_fused.permute_forward(vendor, hidden_TH, selected_experts_Tk, num_experts)
     top_k = selected_experts_Tk.shape[1]
+    kernels = native.ops(hidden_TH)
+    if kernels is not None and hidden_TH.shape[0] > 0:
+        # One counting sort and one row copy in place of the sort, index arithmetic, gather and
+        # bincount below: the same rows and map (the counting sort is stable too).
+        num_rows = selected_experts_Tk.numel()
+        permuted_RH = _empty((num_rows, hidden_TH.shape[1]), hidden_TH)
+        row_id_map_R = torch.empty(num_rows, dtype=torch.int64)
+        tokens_per_expert_E = torch.empty(num_experts, dtype=torch.int64)
+        kernels.permute_rows(
+            hidden_TH.contiguous(), selected_experts_Tk.reshape(-1).contiguous(), num_experts,
+            permuted_RH, row_id_map_R, tokens_per_expert_E,
+        )  # fmt: skip
+        return permuted_RH, row_id_map_R, tokens_per_expert_E
     flat_ids_R = selected_experts_Tk.reshape(-1).to(torch.int64)
     # order_R[r] = flat (token, slot) index that lands on row r; stable sort keeps (token, slot)
     # order inside each expert. O(R log R) on device, no per-token Python work.

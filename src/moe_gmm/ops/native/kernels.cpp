@@ -1,5 +1,6 @@
-// Memory-bound MoE glue on CPU: the weighted k-way sums of permute/unpermute and SwiGLU, each one
-// pass over its rows with float32 arithmetic for 16-bit inputs.
+// Memory-bound MoE glue on CPU: permute's grouping of rows by expert, the weighted k-way sums of
+// permute/unpermute and SwiGLU, each one pass over its rows with float32 arithmetic for 16-bit
+// inputs.
 //
 // Composed from torch ops these were several passes each (gather, widen to float32, reduce,
 // narrow back), every pass streaming a temporary through memory; here every row is read once,
@@ -7,6 +8,10 @@
 // split between torch's intra-op threads with at::parallel_for.
 //
 // Ops (namespace moe_gmm_native), all writing into caller-provided outputs:
+//   permute_rows(hidden[T,H], expert_ids[T*k] int32/int64, num_experts, permuted[T*k,H],
+//                row_id_map[T*k] int64, counts[E] int64)
+//       a counting sort of the ids (stable: (token, slot) order inside each expert), then
+//       permuted[row_id_map[t*k+j]] = hidden[t]; an id outside [0, E) is an error
 //   slot_sum(src[R,H], row_id_map[R], probs[T,k] f32 or None, top_k, out[T,H])
 //       out[t] = sum_j p[t,j] * src[row_id_map[t*k+j]]            (p = 1 without probs)
 //   unpermute_backward(grad_out[T,H], expert_out[R,H], row_id_map[R], probs[T,k] f32,
@@ -29,6 +34,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -228,6 +234,50 @@ void dispatch_float(at::ScalarType dtype, const char* op, Fn&& fn) {
   }
 }
 
+template <typename Id>
+void permute_rows_kernel(const char* hidden, const Id* ids, int64_t num_rows, int64_t top_k, int64_t num_experts,
+                         int64_t row_bytes, char* permuted, int64_t* row_id_map, int64_t* counts) {
+  std::fill(counts, counts + num_experts, int64_t{0});
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t e = static_cast<int64_t>(ids[r]);
+    TORCH_CHECK(e >= 0 && e < num_experts, "permute_rows: expert id ", e, " outside [0, ", num_experts, ")");
+    ++counts[e];
+  }
+  std::vector<int64_t> next(num_experts);
+  int64_t start = 0;
+  for (int64_t e = 0; e < num_experts; ++e) next[e] = start, start += counts[e];
+  for (int64_t r = 0; r < num_rows; ++r) row_id_map[r] = next[ids[r]]++;
+  at::parallel_for(0, num_rows, grain_rows(row_bytes / 2), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      std::memcpy(permuted + row_id_map[r] * row_bytes, hidden + (r / top_k) * row_bytes, row_bytes);
+  });
+}
+
+void permute_rows(const at::Tensor& hidden, const at::Tensor& expert_ids, int64_t num_experts, at::Tensor& permuted,
+                  at::Tensor& row_id_map, at::Tensor& counts) {
+  for (auto* t : {&hidden, &expert_ids}) check_cpu_contiguous(*t, "permute_rows input");
+  for (auto* t : {&permuted, &row_id_map, &counts}) check_cpu_contiguous(*t, "permute_rows output");
+  TORCH_CHECK(hidden.dim() == 2 && num_experts > 0, "permute_rows: hidden must be [T, H], num_experts > 0");
+  const int64_t num_tokens = hidden.size(0), num_rows = expert_ids.numel();
+  TORCH_CHECK(num_tokens > 0 && num_rows % num_tokens == 0, "permute_rows: expert_ids must hold T * k ids");
+  TORCH_CHECK(permuted.scalar_type() == hidden.scalar_type() && permuted.numel() == num_rows * hidden.size(1),
+              "permute_rows: permuted must be [T * k, H] in hidden's dtype");
+  TORCH_CHECK(row_id_map.scalar_type() == at::kLong && row_id_map.numel() == num_rows, "permute_rows: row_id_map");
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.numel() == num_experts, "permute_rows: counts");
+  const int64_t row_bytes = hidden.size(1) * hidden.element_size();
+  const auto* src = static_cast<const char*>(hidden.data_ptr());
+  auto* dst = static_cast<char*>(permuted.data_ptr());
+  const int64_t top_k = num_rows / num_tokens;
+  if (expert_ids.scalar_type() == at::kLong) {
+    permute_rows_kernel(src, expert_ids.data_ptr<int64_t>(), num_rows, top_k, num_experts, row_bytes, dst,
+                        row_id_map.data_ptr<int64_t>(), counts.data_ptr<int64_t>());
+  } else {
+    TORCH_CHECK(expert_ids.scalar_type() == at::kInt, "permute_rows: expert_ids must be int32 or int64");
+    permute_rows_kernel(src, expert_ids.data_ptr<int32_t>(), num_rows, top_k, num_experts, row_bytes, dst,
+                        row_id_map.data_ptr<int64_t>(), counts.data_ptr<int64_t>());
+  }
+}
+
 void slot_sum(const at::Tensor& src, const at::Tensor& row_id_map, const std::optional<at::Tensor>& probs,
               int64_t top_k, at::Tensor& out) {
   check_cpu_contiguous(src, "src");
@@ -308,6 +358,9 @@ void swiglu_backward(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dx) 
 }  // namespace
 
 TORCH_LIBRARY(moe_gmm_native, m) {
+  m.def(
+      "permute_rows(Tensor hidden, Tensor expert_ids, int num_experts, Tensor(a!) permuted, Tensor(b!) row_id_map, "
+      "Tensor(c!) counts) -> ()");
   m.def("slot_sum(Tensor src, Tensor row_id_map, Tensor? probs, int top_k, Tensor(a!) out) -> ()");
   m.def(
       "unpermute_backward(Tensor grad_out, Tensor expert_out, Tensor row_id_map, Tensor probs, "
@@ -317,6 +370,7 @@ TORCH_LIBRARY(moe_gmm_native, m) {
 }
 
 TORCH_LIBRARY_IMPL(moe_gmm_native, CPU, m) {
+  m.impl("permute_rows", permute_rows);
   m.impl("slot_sum", slot_sum);
   m.impl("unpermute_backward", unpermute_backward);
   m.impl("swiglu", swiglu);
