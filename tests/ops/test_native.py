@@ -71,16 +71,22 @@ def test_kernels_build_and_load():
         assert native.ops(torch.empty(1)) is None
 
 
+# Tokens, hidden size, dtype and seed of the hypothesis tests over permute/unpermute.
+_ROWS = {
+    "num_tokens": st.integers(1, 40),
+    "hidden": st.integers(1, 70),
+    "dtype": st.sampled_from(DTYPES),
+    "seed": st.integers(0, 10_000),
+}
+
+
 @needs_kernels
 @settings(max_examples=30, deadline=None)
 @given(
-    num_tokens=st.integers(1, 40),
     top_k=st.integers(1, 8),
     num_experts=st.integers(1, 300),
-    hidden=st.integers(1, 70),
-    dtype=st.sampled_from(DTYPES),
     id_dtype=st.sampled_from((torch.int32, torch.int64)),
-    seed=st.integers(0, 10_000),
+    **_ROWS,
 )
 def test_native_permute_is_the_composed_permute_bit_for_bit(
     num_tokens, top_k, num_experts, hidden, dtype, id_dtype, seed
@@ -110,14 +116,7 @@ def test_native_permute_rejects_an_id_outside_the_experts_unvalidated(bad):
 
 @needs_kernels
 @settings(max_examples=20, deadline=None)
-@given(
-    num_tokens=st.integers(1, 40),
-    top_k=st.integers(1, 4),
-    num_experts=st.integers(1, 6),
-    hidden=st.integers(1, 70),
-    dtype=st.sampled_from(DTYPES),
-    seed=st.integers(0, 10_000),
-)
+@given(top_k=st.integers(1, 4), num_experts=st.integers(1, 6), **_ROWS)
 def test_permute_unpermute_native_matches_composed_and_float64(num_tokens, top_k, num_experts, hidden, dtype, seed):
     got = _round_trip(num_tokens, top_k, num_experts, hidden, dtype, seed)
     with native.disabled():
