@@ -342,6 +342,22 @@ def _phases_of(prof) -> dict[str, dict[str, float]]:
     return out
 
 
+def _block_step(case: MoeLayerCase, dtype: torch.dtype):
+    """``moe_gmm``'s block for ``case``, its input, an upstream gradient and one labelled fwd+bwd step."""
+    inp = case.make_inputs(dtype)
+    block, x = inp.block, inp.x
+    params = [x, *block.parameters()]
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+    def step():
+        with record_function("moe::step_fwd"):
+            out = block(x)
+        with record_function("moe::step_bwd"):
+            return torch.autograd.grad(out, params, dy)
+
+    return block, x, dy, step
+
+
 def profile_breakdown(case: MoeLayerCase, dtype: torch.dtype, *, steps: int = 3) -> dict[str, dict[str, float]]:
     """Milliseconds of ``moe_gmm``'s forward and backward by phase, in the median of ``steps`` steps.
 
@@ -358,17 +374,7 @@ def profile_breakdown(case: MoeLayerCase, dtype: torch.dtype, *, steps: int = 3)
         raise TypeError(f"steps must be an int, got {type(steps).__name__}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    inp = case.make_inputs(dtype)
-    block, x = inp.block, inp.x
-    params = [x, *block.parameters()]
-    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-
-    def step():
-        with record_function("moe::step_fwd"):
-            out = block(x)
-        with record_function("moe::step_bwd"):
-            torch.autograd.grad(out, params, dy)
-
+    _, _, _, step = _block_step(case, dtype)
     step()
     results = []
     for _ in range(steps):
@@ -395,19 +401,12 @@ def time_glue_alone(case: MoeLayerCase, dtype: torch.dtype, settings: TimingSett
     from moe_gmm.ops.permute import permute, unpermute
 
     settings = settings or TimingSettings(warmup=2, min_repeats=10, max_repeats=60, min_seconds=1.0)
-    inp = case.make_inputs(dtype)
-    block, x = inp.block, inp.x
-    params = [x, *block.parameters()]
-    g = torch.Generator().manual_seed(1)
-    dy = torch.randn(x.shape, generator=g).to(dtype)
+    block, x, dy, step = _block_step(case, dtype)
     x_TH = x.detach().reshape(-1, case.hidden).clone().requires_grad_(True)
     with torch.no_grad():
         _, weights_Tk, indices_Tk = block.gate(x_TH)
     weights_Tk = weights_Tk.detach().clone().requires_grad_(True)
     dy_TH = dy.reshape(-1, case.hidden)
-
-    def step():
-        return torch.autograd.grad(block(x), params, dy)
 
     def glue():
         permuted_RH, row_id_map_R, _ = permute(x_TH, indices_Tk, case.num_experts)
