@@ -110,7 +110,6 @@ def _permute_op(
     vendor = npu_fused.vendor_ops_for(hidden_TH)
     if vendor is not None and npu_fused.permute_fits(selected_experts_Tk, num_experts):
         return npu_fused.permute_forward(vendor, hidden_TH, selected_experts_Tk, num_experts)
-    top_k = selected_experts_Tk.shape[1]
     kernels = native.ops(hidden_TH)
     if kernels is not None and hidden_TH.shape[0] > 0:
         # One counting sort and one row copy in place of the sort, index arithmetic, gather and
@@ -124,6 +123,7 @@ def _permute_op(
             permuted_RH, row_id_map_R, tokens_per_expert_E,
         )  # fmt: skip
         return permuted_RH, row_id_map_R, tokens_per_expert_E
+    top_k = selected_experts_Tk.shape[1]
     flat_ids_R = selected_experts_Tk.reshape(-1).to(torch.int64)
     # order_R[r] = flat (token, slot) index that lands on row r; stable sort keeps (token, slot)
     # order inside each expert. O(R log R) on device, no per-token Python work.

@@ -236,7 +236,8 @@ void dispatch_float(at::ScalarType dtype, const char* op, Fn&& fn) {
 
 template <typename Id>
 void permute_rows_kernel(const char* hidden, const Id* ids, int64_t num_rows, int64_t top_k, int64_t num_experts,
-                         int64_t row_bytes, char* permuted, int64_t* row_id_map, int64_t* counts) {
+                         int64_t row_bytes, int64_t grain, char* permuted, int64_t* row_id_map,
+                         int64_t* counts) {
   std::fill(counts, counts + num_experts, int64_t{0});
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t e = static_cast<int64_t>(ids[r]);
@@ -247,7 +248,7 @@ void permute_rows_kernel(const char* hidden, const Id* ids, int64_t num_rows, in
   int64_t start = 0;
   for (int64_t e = 0; e < num_experts; ++e) next[e] = start, start += counts[e];
   for (int64_t r = 0; r < num_rows; ++r) row_id_map[r] = next[ids[r]]++;
-  at::parallel_for(0, num_rows, grain_rows(row_bytes / 2), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       std::memcpy(permuted + row_id_map[r] * row_bytes, hidden + (r / top_k) * row_bytes, row_bytes);
   });
@@ -267,13 +268,13 @@ void permute_rows(const at::Tensor& hidden, const at::Tensor& expert_ids, int64_
   const int64_t row_bytes = hidden.size(1) * hidden.element_size();
   const auto* src = static_cast<const char*>(hidden.data_ptr());
   auto* dst = static_cast<char*>(permuted.data_ptr());
-  const int64_t top_k = num_rows / num_tokens;
+  const int64_t top_k = num_rows / num_tokens, grain = grain_rows(hidden.size(1));
   if (expert_ids.scalar_type() == at::kLong) {
-    permute_rows_kernel(src, expert_ids.data_ptr<int64_t>(), num_rows, top_k, num_experts, row_bytes, dst,
+    permute_rows_kernel(src, expert_ids.data_ptr<int64_t>(), num_rows, top_k, num_experts, row_bytes, grain, dst,
                         row_id_map.data_ptr<int64_t>(), counts.data_ptr<int64_t>());
   } else {
     TORCH_CHECK(expert_ids.scalar_type() == at::kInt, "permute_rows: expert_ids must be int32 or int64");
-    permute_rows_kernel(src, expert_ids.data_ptr<int32_t>(), num_rows, top_k, num_experts, row_bytes, dst,
+    permute_rows_kernel(src, expert_ids.data_ptr<int32_t>(), num_rows, top_k, num_experts, row_bytes, grain, dst,
                         row_id_map.data_ptr<int64_t>(), counts.data_ptr<int64_t>());
   }
 }
