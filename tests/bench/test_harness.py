@@ -20,7 +20,15 @@ from moe_gmm.bench.harness import (
     time_interleaved,
     timing_from_samples,
 )
-from moe_gmm.bench.machine import CopyBandwidthProbe, Limits, describe_machine, roofline_floor
+from moe_gmm.bench.machine import (
+    CPU_BACKEND,
+    TORCH_MM,
+    CopyBandwidthProbe,
+    GemmRateProbe,
+    Limits,
+    describe_machine,
+    roofline_floor,
+)
 from moe_gmm.bench.table import markdown_report, print_report
 
 FAST = TimingSettings(warmup=1, min_repeats=2, max_repeats=2, min_seconds=0.0)
@@ -265,3 +273,70 @@ def test_bandwidth_measured_next_to_each_case_sets_its_memory_floor():
         assert row["copy_bandwidth"] == own[(row["mode"], row["impl"])]
         compute_s = row["flops"] / 1e12
         assert row["floor_s"] == pytest.approx(max(compute_s, row["min_bytes"] / row["copy_bandwidth"]))
+
+
+def test_gemm_rate_probe_measures_its_named_gemm():
+    for source in (TORCH_MM, CPU_BACKEND):
+        probe = GemmRateProbe(torch.float32, source, n=64)
+        assert math.isfinite(probe.measure(repeats=1)) and probe.measure() > 0
+    with pytest.raises(ValueError, match="source"):
+        GemmRateProbe(torch.float32, "numpy", n=64)
+
+
+def test_rate_measured_next_to_each_case_gives_a_second_ratio():
+    probe = GemmRateProbe(torch.float32, n=64)
+    report = run_benchmark(
+        [TINY],
+        gmm_impls(["torch"]),
+        dtypes=[torch.float32, torch.bfloat16],
+        modes=["fwd", "fwdbwd"],
+        limits=LIMITS,
+        machine=describe_machine(),
+        settings=FAST,
+        reference="eager",
+        primary="torch",
+        title="tiny",
+        rate_probes={"fp32": probe},  # none for bf16: its rows keep the run's floor alone
+    )
+    fp32 = [r for r in report.rows if r["dtype"] == "fp32"]
+    for row in fp32:
+        assert row["case_gemm_rate"] > 0
+        memory_s = row["min_bytes"] / LIMITS.copy_bandwidth
+        assert row["case_floor_s"] == pytest.approx(max(row["flops"] / row["case_gemm_rate"], memory_s))
+        assert row["x_case_floor"] == pytest.approx(row["median_s"] / row["case_floor_s"])
+        # The run's ratio still uses the run's peak.
+        assert row["floor_s"] == pytest.approx(max(row["flops"] / LIMITS.peak_flops["fp32"], memory_s))
+    rates = {(r["mode"], r["impl"]): r["case_gemm_rate"] for r in fp32}
+    assert len({rates[("fwd", i)] for i in ("eager", "torch")}) == 1  # one measurement per case and mode
+    for row in report.rows:
+        if row["dtype"] == "bf16":
+            assert "case_gemm_rate" not in row and "x_case_floor" not in row
+    before = {(r["mode"], r["impl"]): r["x_case_floor"] for r in fp32}
+    faster = Limits(peak_flops={"fp32": 1e13, "bf16": 2e13}, copy_bandwidth=1e10, gemm_sizes=(64,), copy_mib=1)
+    report.set_limits(faster)  # the run's peak moves x_floor, not the ratio at the case's own rate
+    for row in fp32:
+        assert row["x_case_floor"] == pytest.approx(before[(row["mode"], row["impl"])])
+        assert row["floor_s"] == pytest.approx(max(row["flops"] / 1e13, row["min_bytes"] / 1e10))
+    summary = {(s["dtype"], s["mode"], s["impl"]): s for s in summarize(report.rows, "eager")}
+    cpu_fwd = summary[("fp32", "fwd", "torch")]
+    assert cpu_fwd["worst_x_case_floor"] == pytest.approx(before[("fwd", "torch")])
+    assert "geomean_x_case_floor" not in summary[("bf16", "fwd", "torch")]
+    md = markdown_report(report)
+    assert "GEMM here GFLOP/s (of peak)" in md and "torch x floor at the rate here" in md
+    assert f"{before[('fwd', 'torch')]:.2f}x" in md
+
+
+def test_run_gmm_probes_the_gemm_that_set_each_peak():
+    limits = Limits(
+        peak_flops={"fp32": 1e11, "bf16": 2e11},
+        copy_bandwidth=1e10,
+        gemm_sizes=(32, 48),
+        copy_mib=1,
+        peak_sources={"fp32": CPU_BACKEND},
+    )
+    probes = gmm_bench._rate_probes([torch.float32, torch.bfloat16], limits)
+    assert (probes["fp32"].source, probes["bf16"].source) == (CPU_BACKEND, TORCH_MM)
+    assert probes["fp32"].n == probes["bf16"].n == 32
+    rows = [{"dtype": "fp32", "case_gemm_rate": 5e10}, {"dtype": "fp32", "case_gemm_rate": 1e11}, {"dtype": "bf16"}]
+    assert "fp32 50%-100% of the peak" in gmm_bench._case_rate_note(rows, limits)
+    assert gmm_bench._case_rate_note([{"dtype": "bf16"}], limits) == "compute floors: the run's peak GEMM rate"

@@ -24,7 +24,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,7 +32,14 @@ from typing import Any, Protocol
 
 import torch
 
-from moe_gmm.bench.machine import CopyBandwidthProbe, Limits, MachineInfo, dtype_name, roofline_floor
+from moe_gmm.bench.machine import (
+    CopyBandwidthProbe,
+    GemmRateProbe,
+    Limits,
+    MachineInfo,
+    dtype_name,
+    roofline_floor,
+)
 from moe_gmm.testing import relative_error
 
 __all__ = [
@@ -225,20 +232,33 @@ class BenchReport:
 
     def set_limits(self, limits: Limits) -> None:
         """Use ``limits`` (e.g. the better of measurements before and after the run) for every floor;
-        a row's own copy bandwidth, where it was measured next to its case, stays its own."""
+        a row's own copy bandwidth and GEMM rate, where they were measured next to its case, stay
+        its own."""
         self.limits = limits
         for row in self.rows:
-            compute_s = row["flops"] / limits.peak_flops[row["dtype"]]
-            memory_s = row["min_bytes"] / row.get("copy_bandwidth", limits.copy_bandwidth)
-            row["floor_s"], row["bound"] = (compute_s, "compute") if compute_s >= memory_s else (memory_s, "memory")
-            if row.get("median_s") is not None:
-                row["x_floor"] = row["median_s"] / row["floor_s"]
+            _set_floors(row, limits)
 
     def write_json(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.as_dict(), indent=1) + "\n")
         return path
+
+
+def _set_floors(row: dict[str, Any], limits: Limits) -> None:
+    """A row's floor (``floor_s``, ``bound``, ``x_floor``): the compute part from the run's peak, the
+    memory part from the row's own ``copy_bandwidth`` where it has one. With a ``case_gemm_rate``
+    also ``case_floor_s`` and ``x_case_floor``: the same floor with the compute part from the GEMM
+    rate measured next to the case."""
+    limits = replace(limits, copy_bandwidth=row.get("copy_bandwidth", limits.copy_bandwidth))
+    row["floor_s"], row["bound"] = roofline_floor(row["flops"], row["min_bytes"], row["dtype"], limits)
+    if "case_gemm_rate" in row:
+        at_case = replace(limits, peak_flops={row["dtype"]: row["case_gemm_rate"]})
+        row["case_floor_s"], _ = roofline_floor(row["flops"], row["min_bytes"], row["dtype"], at_case)
+    if row.get("median_s") is not None:
+        row["x_floor"] = row["median_s"] / row["floor_s"]
+        if "case_floor_s" in row:
+            row["x_case_floor"] = row["median_s"] / row["case_floor_s"]
 
 
 def _geomean(values: Iterable[float]) -> float:
@@ -256,19 +276,21 @@ def summarize(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any]
     out = []
     for (dtype, mode, impl), group in sorted(groups.items()):
         worst = max(group, key=lambda r: r["x_floor"])
-        out.append(
-            {
-                "dtype": dtype,
-                "mode": mode,
-                "impl": impl,
-                "cases": len(group),
-                "geomean_x_floor": _geomean(r["x_floor"] for r in group),
-                "worst_x_floor": worst["x_floor"],
-                "worst_case": f"{worst['case']} {worst.get('label', '')}".strip(),
-                "geomean_speedup_vs_reference": _geomean(r["speedup_vs_reference"] for r in group),
-                "reference": reference,
-            }
-        )
+        entry = {
+            "dtype": dtype,
+            "mode": mode,
+            "impl": impl,
+            "cases": len(group),
+            "geomean_x_floor": _geomean(r["x_floor"] for r in group),
+            "worst_x_floor": worst["x_floor"],
+            "worst_case": f"{worst['case']} {worst.get('label', '')}".strip(),
+            "geomean_speedup_vs_reference": _geomean(r["speedup_vs_reference"] for r in group),
+            "reference": reference,
+        }
+        if all("x_case_floor" in r for r in group):
+            entry["geomean_x_case_floor"] = _geomean(r["x_case_floor"] for r in group)
+            entry["worst_x_case_floor"] = max(r["x_case_floor"] for r in group)
+        out.append(entry)
     return out
 
 
@@ -287,6 +309,7 @@ def run_benchmark(
     command: str = "",
     progress: Any | None = None,
     bandwidth_probe: CopyBandwidthProbe | None = None,
+    rate_probes: Mapping[str, GemmRateProbe] | None = None,
 ) -> BenchReport:
     """Run every case x dtype x mode x impl; ``progress`` is an optional ``rich.progress.Progress``.
 
@@ -294,6 +317,11 @@ def run_benchmark(
     and the better of the two sets that row's memory floor (``row["copy_bandwidth"]``), instead of
     the run's ``limits``: on a machine whose memory bandwidth changes during a run, a floor from
     another moment would misstate every memory-bound ratio.
+
+    With ``rate_probes`` (dtype name -> probe) the GEMM rate is measured the same way
+    (``row["case_gemm_rate"]``). It does not replace the run's peak in ``x_floor``: it gives a second
+    ratio, ``x_case_floor``, against the floor the machine allowed at that moment, which tells a
+    case that ran slowly from a moment when every GEMM did.
     """
     for mode in modes:
         if mode not in MODES:
@@ -319,7 +347,9 @@ def run_benchmark(
     task = progress.add_task(title, total=len(cases) * len(dtypes) * len(modes)) if progress is not None else None
     for case in cases:
         for dtype in dtypes:
-            report.rows.extend(_run_case(case, impls, dtype, modes, limits, settings, reference, bandwidth_probe))
+            report.rows.extend(
+                _run_case(case, impls, dtype, modes, limits, settings, reference, bandwidth_probe, rate_probes)
+            )
             if progress is not None:
                 progress.advance(task, len(modes))
             gc.collect()
@@ -337,6 +367,7 @@ def _run_case(
     settings: TimingSettings,
     reference: str,
     bandwidth_probe: CopyBandwidthProbe | None = None,
+    rate_probes: Mapping[str, GemmRateProbe] | None = None,
 ) -> list[dict[str, Any]]:
     inputs = case.make_inputs(dtype)
     workloads: dict[str, Workload] = {}
@@ -363,23 +394,25 @@ def _run_case(
 
     rows = []
     base = {"case": case.name, **case.columns(), "params": case.params(), "dtype": dtype_name(dtype)}
+    rate_probe = (rate_probes or {}).get(dtype_name(dtype))
     for mode in modes:
         flops, min_bytes = case.flops(mode), case.min_bytes(mode, dtype)
         fns = {name: _timed_callable(w, mode, grad_out) for name, w in workloads.items()}
         bandwidth_before = bandwidth_probe.measure(repeats=3) if bandwidth_probe is not None else None
+        rate_before = rate_probe.measure() if rate_probe is not None else None
         timings = time_interleaved(fns, settings)
         del fns
-        case_limits, measured = limits, {}
+        measured = {}
         if bandwidth_probe is not None:
-            bandwidth = max(bandwidth_before, bandwidth_probe.measure(repeats=3))
-            case_limits, measured = replace(limits, copy_bandwidth=bandwidth), {"copy_bandwidth": bandwidth}
-        floor_s, bound = roofline_floor(flops, min_bytes, dtype, case_limits)
+            measured["copy_bandwidth"] = max(bandwidth_before, bandwidth_probe.measure(repeats=3))
+        if rate_probe is not None:
+            measured["case_gemm_rate"] = max(rate_before, rate_probe.measure())
         ref_median = timings[reference].median_s
         for impl in impls:
             row = {**base, "mode": mode, "impl": impl.name, "flops": flops, "min_bytes": min_bytes, **measured}
-            row.update({"floor_s": floor_s, "bound": bound})
             if impl.name in skipped:
                 row.update({"median_s": None, "skipped": skipped[impl.name]})
+                _set_floors(row, limits)
                 rows.append(row)
                 continue
             t = timings[impl.name]
@@ -394,12 +427,12 @@ def _run_case(
                     "p80_s": t.p80_s,
                     "repeats": t.repeats,
                     "gflops": flops / t.median_s / 1e9,
-                    "x_floor": t.median_s / floor_s,
                     "speedup_vs_reference": ref_median / t.median_s,
                     "rel_err": None if err is None else max(err.values()),
                     "rel_err_parts": err,
                 }
             )
+            _set_floors(row, limits)
             rows.append(row)
     del workloads, inputs
     return rows

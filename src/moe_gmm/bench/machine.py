@@ -18,6 +18,12 @@ ratio to the *roofline floor*, the least time the work could take on this machin
 - ``min_bytes``: defined by each case (see ``moe_gmm.bench.gmm``): every operand read once and every
   result written once, nothing more.
 
+Both limits move while a run goes on. :class:`CopyBandwidthProbe` and :class:`GemmRateProbe` measure
+them again next to each case: the GMM benchmark takes a case's memory floor from the bandwidth
+measured next to it, and reports its ratio to a floor from the GEMM rate measured next to it beside
+the ratio to the run's peak (``x_case_floor`` beside ``x_floor``), so a slow case can be told from a
+slow moment.
+
 It also describes the machine (CPU, cores, threads, torch, BLAS, git commit, load average) for the
 header of every result file.
 """
@@ -37,7 +43,15 @@ import torch
 
 from moe_gmm.ops.native import cpuinfo_value
 
-__all__ = ["Limits", "MachineInfo", "describe_machine", "measure_limits", "roofline_floor"]
+__all__ = [
+    "CopyBandwidthProbe",
+    "GemmRateProbe",
+    "Limits",
+    "MachineInfo",
+    "describe_machine",
+    "measure_limits",
+    "roofline_floor",
+]
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
@@ -174,8 +188,9 @@ class Limits:
     def as_dict(self) -> dict:
         return asdict(self)
 
-    def peak(self, dtype: torch.dtype) -> float:
-        name = dtype_name(dtype)
+    def peak(self, dtype: torch.dtype | str) -> float:
+        """The peak GEMM rate of ``dtype`` (a torch dtype or its name, e.g. ``"bf16"``)."""
+        name = dtype if isinstance(dtype, str) else dtype_name(dtype)
         if name not in self.peak_flops:
             raise KeyError(f"peak GEMM rate for {name} was not measured; measured: {sorted(self.peak_flops)}")
         return self.peak_flops[name]
@@ -243,6 +258,31 @@ class CopyBandwidthProbe:
         return 2.0 * self._src.numel() * 4 / seconds
 
 
+class GemmRateProbe:
+    """One square GEMM of size ``n``, by the name of one of :func:`_square_gemms` (the one that set
+    the run's peak), on operands allocated once, for measuring the machine's GEMM rate again and
+    again.
+
+    On a shared machine the rate a GEMM gets moves with the other tenants' load, within a run as
+    well as between runs: the GMM benchmark measures it next to every case with one probe per dtype,
+    so a case's ratio to the floor can be read against what the machine gave at that moment.
+    """
+
+    def __init__(self, dtype: torch.dtype, source: str = TORCH_MM, n: int = 2048) -> None:
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(n, n, generator=g).to(dtype)
+        b = torch.randn(n, n, generator=g).to(dtype)
+        gemms = _square_gemms(a, b)
+        if source not in gemms:
+            raise ValueError(f"source must be one of {sorted(gemms)}, got {source!r}")
+        self.dtype, self.source, self.n = dtype, source, n
+        self._gemm = gemms[source]
+
+    def measure(self, repeats: int = 2) -> float:
+        """Best FLOP/s of the GEMM over ``repeats`` calls after one warm-up call."""
+        return 2.0 * self.n**3 / _best_seconds(self._gemm, repeats)
+
+
 def measure_copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     """Best bytes/s of ``dst.copy_(src)`` on ``mib`` MiB, counting the read and the write."""
     return CopyBandwidthProbe(mib).measure(repeats)
@@ -266,7 +306,7 @@ def measure_limits(dtypes: tuple[torch.dtype, ...], *, quick: bool = False) -> L
     )
 
 
-def roofline_floor(flops: float, min_bytes: float, dtype: torch.dtype, limits: Limits) -> tuple[float, str]:
+def roofline_floor(flops: float, min_bytes: float, dtype: torch.dtype | str, limits: Limits) -> tuple[float, str]:
     """``(seconds, bound)``: the least time for the work and whether compute or memory bounds it."""
     compute_s = flops / limits.peak(dtype)
     memory_s = min_bytes / limits.copy_bandwidth

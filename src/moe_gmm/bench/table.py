@@ -55,10 +55,23 @@ def _speedup(primary: dict[str, Any] | None, other: dict[str, Any] | None) -> fl
     return other["median_s"] / primary["median_s"]
 
 
+def _case_rate(row: dict[str, Any], report: BenchReport) -> str:
+    """The GEMM rate measured next to the row's case, and its share of the run's peak."""
+    rate = row.get("case_gemm_rate")
+    if rate is None:
+        return "-"
+    return f"{rate / 1e9:.0f} ({rate / report.limits.peak_flops[row['dtype']]:.0%})"
+
+
 def _table_data(report: BenchReport) -> tuple[list[str], list[list[str]]]:
     label_keys = [k for k in ("label", "shape") if any(k in r for r in report.rows)]
+    case_rates = any("case_gemm_rate" in r for r in report.rows)
     header = ["case", *label_keys, "dtype", "mode", "floor ms"]
+    if case_rates:
+        header.append("GEMM here GFLOP/s (of peak)")
     header += [f"{name} ms (x floor)" for name in report.impls]
+    if case_rates and report.primary:
+        header.append(f"{report.primary} x floor at the rate here")
     others = [n for n in report.impls if n != report.primary] if report.primary else []
     header += [f"{report.primary} vs {n}" for n in others]
     header.append("max rel err")
@@ -66,7 +79,11 @@ def _table_data(report: BenchReport) -> tuple[list[str], list[list[str]]]:
     for first, by_impl in _grouped(report):
         line = [first["case"], *(str(first.get(k, "")) for k in label_keys), first["dtype"], first["mode"]]
         line.append(f"{_ms(first['floor_s'])} {first['bound'][0]}")
+        if case_rates:
+            line.append(_case_rate(first, report))
         line += [_cell(by_impl.get(name)) for name in report.impls]
+        if case_rates and report.primary:
+            line.append(_ratio((by_impl.get(report.primary) or {}).get("x_case_floor")))
         line += [_ratio(_speedup(by_impl.get(report.primary), by_impl.get(n))) for n in others]
         errs = [r["rel_err"] for r in by_impl.values() if r.get("rel_err") is not None]
         line.append(f"{max(errs):.1e}" if errs else "-")
@@ -85,20 +102,26 @@ def _summary_data(report: BenchReport) -> tuple[list[str], list[list[str]]]:
         "worst case",
         f"vs {report.reference}",
     ]
+    summary = summarize(report.rows, report.reference)
+    case_rates = any("geomean_x_case_floor" in s for s in summary)
+    if case_rates:
+        header.append("geomean / worst x floor at the rate here")
     lines = []
-    for s in summarize(report.rows, report.reference):
-        lines.append(
-            [
-                s["dtype"],
-                s["mode"],
-                s["impl"],
-                str(s["cases"]),
-                f"{s['geomean_x_floor']:.2f}",
-                f"{s['worst_x_floor']:.2f}",
-                s["worst_case"],
-                _ratio(s["geomean_speedup_vs_reference"]),
-            ]
-        )
+    for s in summary:
+        line = [
+            s["dtype"],
+            s["mode"],
+            s["impl"],
+            str(s["cases"]),
+            f"{s['geomean_x_floor']:.2f}",
+            f"{s['worst_x_floor']:.2f}",
+            s["worst_case"],
+            _ratio(s["geomean_speedup_vs_reference"]),
+        ]
+        if case_rates:
+            at_case = ("geomean_x_case_floor", "worst_x_case_floor")
+            line.append(" / ".join(f"{s[k]:.2f}" for k in at_case) if at_case[0] in s else "-")
+        lines.append(line)
     return header, lines
 
 
@@ -134,7 +157,8 @@ def print_report(report: BenchReport, console=None) -> None:
     table = Table(
         show_lines=False,
         header_style="bold",
-        caption="cell: median ms (time / roofline floor); floor c = compute-bound, m = memory-bound",
+        caption="cell: median ms (time / roofline floor); floor c = compute-bound, m = memory-bound; "
+        "the rate here: a square GEMM timed before and after the case (the better), the compute floor from it",
     )
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i < 2 else "right", overflow="fold")
