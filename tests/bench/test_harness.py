@@ -193,6 +193,8 @@ def test_unsupported_impl_is_skipped_with_reason():
 def test_run_benchmark_rejects_bad_arguments():
     with pytest.raises(ValueError, match="modes"):
         _report(gmm_impls(), modes=("forward",))
+    with pytest.raises(ValueError, match="impls may not be named"):
+        _report([*gmm_impls(), Impl(name="(gemm rate probe)", prepare=lambda inputs: None)])
     with pytest.raises(ValueError, match="reference"):
         _report(gmm_impls(["torch"])[1:])
 
@@ -283,8 +285,11 @@ def test_gemm_rate_probe_measures_its_named_gemm():
         GemmRateProbe(torch.float32, "numpy", n=64)
 
 
-def test_rate_measured_next_to_each_case_gives_a_second_ratio():
+def test_rate_measured_in_each_case_s_rounds_gives_a_second_ratio():
     probe = GemmRateProbe(torch.float32, n=64)
+    calls = []
+    gemm = probe.run
+    probe.run = lambda: calls.append(gemm())
     report = run_benchmark(
         [TINY],
         gmm_impls(["torch"]),
@@ -298,6 +303,7 @@ def test_rate_measured_next_to_each_case_gives_a_second_ratio():
         title="tiny",
         rate_probes={"fp32": probe},  # none for bf16: its rows keep the run's floor alone
     )
+    assert len(calls) == 2 * (FAST.warmup + FAST.max_repeats)  # in every round of both fp32 modes
     fp32 = [r for r in report.rows if r["dtype"] == "fp32"]
     for row in fp32:
         assert row["case_gemm_rate"] > 0

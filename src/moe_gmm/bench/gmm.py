@@ -302,8 +302,8 @@ def _case_rate_note(rows: list[dict], limits: Limits) -> str:
         return "compute floors: the run's peak GEMM rate"
     ranges = ", ".join(f"{name} {min(v):.0%}-{max(v):.0%}" for name, v in shares.items())
     return (
-        "compute floors: the run's peak GEMM rate; x floor at the rate here: the compute floor from a square "
-        f"GEMM timed before and after each case and mode, the better of the two ({ranges} of the peak this run)"
+        "compute floors: the run's peak GEMM rate; x floor at the rate here: the compute floor from the median "
+        f"of a square GEMM timed in each case's rounds ({ranges} of the peak this run)"
     )
 
 

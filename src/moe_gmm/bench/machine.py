@@ -19,10 +19,10 @@ ratio to the *roofline floor*, the least time the work could take on this machin
   result written once, nothing more.
 
 Both limits move while a run goes on. :class:`CopyBandwidthProbe` and :class:`GemmRateProbe` measure
-them again next to each case: the GMM benchmark takes a case's memory floor from the bandwidth
-measured next to it, and reports its ratio to a floor from the GEMM rate measured next to it beside
-the ratio to the run's peak (``x_case_floor`` beside ``x_floor``), so a slow case can be told from a
-slow moment.
+them again at each case: the GMM benchmark takes a case's memory floor from the bandwidth measured
+next to it, and reports its ratio to a floor from the GEMM rate measured in its own timing rounds
+beside the ratio to the run's peak (``x_case_floor`` beside ``x_floor``), so a slow case can be
+told from a slow moment.
 
 It also describes the machine (CPU, cores, threads, torch, BLAS, git commit, load average) for the
 header of every result file.
@@ -263,9 +263,10 @@ class GemmRateProbe:
     the run's peak), on operands allocated once, for measuring the machine's GEMM rate again and
     again.
 
-    On a shared machine the rate a GEMM gets moves with the other tenants' load, within a run as
-    well as between runs: the GMM benchmark measures it next to every case with one probe per dtype,
-    so a case's ratio to the floor can be read against what the machine gave at that moment.
+    On a shared machine the rate a GEMM gets moves with the other tenants' load, within a run and
+    within seconds: the GMM benchmark times the probe in the same interleaved rounds as each case's
+    implementations, so a case's ratio to the floor can be read against what the machine gave in
+    those very rounds.
     """
 
     def __init__(self, dtype: torch.dtype, source: str = TORCH_MM, n: int = 2048) -> None:
@@ -276,11 +277,12 @@ class GemmRateProbe:
         if source not in gemms:
             raise ValueError(f"source must be one of {sorted(gemms)}, got {source!r}")
         self.dtype, self.source, self.n = dtype, source, n
-        self._gemm = gemms[source]
+        self.flops = 2.0 * n**3
+        self.run = gemms[source]
 
     def measure(self, repeats: int = 2) -> float:
         """Best FLOP/s of the GEMM over ``repeats`` calls after one warm-up call."""
-        return 2.0 * self.n**3 / _best_seconds(self._gemm, repeats)
+        return self.flops / _best_seconds(self.run, repeats)
 
 
 def measure_copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:

@@ -56,7 +56,7 @@ def _speedup(primary: dict[str, Any] | None, other: dict[str, Any] | None) -> fl
 
 
 def _case_rate(row: dict[str, Any], report: BenchReport) -> str:
-    """The GEMM rate measured next to the row's case, and its share of the run's peak."""
+    """The GEMM rate measured in the row's timing rounds, and its share of the run's peak."""
     rate = row.get("case_gemm_rate")
     if rate is None:
         return "-"
@@ -158,7 +158,7 @@ def print_report(report: BenchReport, console=None) -> None:
         show_lines=False,
         header_style="bold",
         caption="cell: median ms (time / roofline floor); floor c = compute-bound, m = memory-bound; "
-        "the rate here: a square GEMM timed before and after the case (the better), the compute floor from it",
+        "the rate here: a square GEMM timed in the case's rounds, the compute floor from its median",
     )
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i < 2 else "right", overflow="fold")
