@@ -15,6 +15,7 @@ from moe_gmm.bench.harness import (
     TimingSettings,
     Unsupported,
     Workload,
+    case_rate_note,
     run_benchmark,
     summarize,
     time_interleaved,
@@ -27,6 +28,7 @@ from moe_gmm.bench.machine import (
     GemmRateProbe,
     Limits,
     describe_machine,
+    gemm_rate_probes,
     roofline_floor,
 )
 from moe_gmm.bench.table import markdown_report, print_report
@@ -332,7 +334,7 @@ def test_rate_measured_in_each_case_s_rounds_gives_a_second_ratio():
     assert f"{before[('fwd', 'torch')]:.2f}x" in md
 
 
-def test_run_gmm_probes_the_gemm_that_set_each_peak():
+def test_probes_time_the_gemm_that_set_each_peak():
     limits = Limits(
         peak_flops={"fp32": 1e11, "bf16": 2e11},
         copy_bandwidth=1e10,
@@ -340,9 +342,9 @@ def test_run_gmm_probes_the_gemm_that_set_each_peak():
         copy_mib=1,
         peak_sources={"fp32": CPU_BACKEND},
     )
-    probes = gmm_bench._rate_probes([torch.float32, torch.bfloat16], limits)
+    probes = gemm_rate_probes([torch.float32, torch.bfloat16], limits)
     assert (probes["fp32"].source, probes["bf16"].source) == (CPU_BACKEND, TORCH_MM)
     assert probes["fp32"].n == probes["bf16"].n == 32
     rows = [{"dtype": "fp32", "case_gemm_rate": 5e10}, {"dtype": "fp32", "case_gemm_rate": 1e11}, {"dtype": "bf16"}]
-    assert "fp32 50%-100% of the peak" in gmm_bench._case_rate_note(rows, limits)
-    assert gmm_bench._case_rate_note([{"dtype": "bf16"}], limits) == "compute floors: the run's peak GEMM rate"
+    assert "fp32 50%-100% of the peak" in case_rate_note(rows, limits)
+    assert case_rate_note([{"dtype": "bf16"}], limits) == "compute floors: the run's peak GEMM rate"

@@ -32,18 +32,16 @@ from moe_gmm.bench.harness import (
     Unsupported,
     Workload,
     add_run_arguments,
+    case_rate_note,
     maybe_progress,
     run_benchmark,
     split_choices,
 )
 from moe_gmm.bench.machine import (
     DTYPE_NAMES,
-    TORCH_MM,
     CopyBandwidthProbe,
-    GemmRateProbe,
-    Limits,
     describe_machine,
-    dtype_name,
+    gemm_rate_probes,
     measure_limits,
 )
 from moe_gmm.ops import grouped_matmul
@@ -285,28 +283,6 @@ def _case_bandwidth_note(rows: list[dict]) -> str:
     )
 
 
-def _rate_probes(dtypes: list[torch.dtype], limits: Limits) -> dict[str, GemmRateProbe]:
-    """One probe per dtype, on the GEMM that set the dtype's peak (``n`` = 2048, the peak's first size)."""
-    return {
-        dtype_name(d): GemmRateProbe(d, limits.peak_sources.get(dtype_name(d), TORCH_MM), limits.gemm_sizes[0])
-        for d in dtypes
-    }
-
-
-def _case_rate_note(rows: list[dict], limits: Limits) -> str:
-    shares = {}
-    for r in rows:
-        if "case_gemm_rate" in r:
-            shares.setdefault(r["dtype"], []).append(r["case_gemm_rate"] / limits.peak_flops[r["dtype"]])
-    if not shares:
-        return "compute floors: the run's peak GEMM rate"
-    ranges = ", ".join(f"{name} {min(v):.0%}-{max(v):.0%}" for name, v in shares.items())
-    return (
-        "compute floors: the run's peak GEMM rate; x floor at the rate here: the compute floor from the median "
-        f"of a square GEMM timed in each case's rounds ({ranges} of the peak this run)"
-    )
-
-
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(description="Grouped-matmul benchmark: implementations side by side.")
     p.add_argument("--quick", action="store_true", help="small cases, fewer repeats (well under a minute)")
@@ -387,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             command=command.strip(),
             progress=progress,
             bandwidth_probe=None if args.quick else CopyBandwidthProbe(limits.copy_mib),
-            rate_probes=None if args.quick else _rate_probes(dtypes, limits),
+            rate_probes=None if args.quick else gemm_rate_probes(dtypes, limits),
         )
     if not args.quick:
         # Limits again after the run; each floor uses the better of the two measurements, so a
@@ -395,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         report.set_limits(limits.merged(measure_limits(tuple(dtypes), quick=False)))
         report.notes.append("limits: the better of measurements before and after the run")
         report.notes.append(_case_bandwidth_note(report.rows))
-        report.notes.append(_case_rate_note(report.rows, report.limits))
+        report.notes.append(case_rate_note(report.rows, report.limits))
     print_report(report, console)
     if args.out:
         console.print(f"JSON written to {report.write_json(args.out)}")

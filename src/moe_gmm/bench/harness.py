@@ -51,6 +51,7 @@ __all__ = [
     "TimingSettings",
     "Unsupported",
     "Workload",
+    "case_rate_note",
     "run_benchmark",
     "summarize",
 ]
@@ -292,6 +293,22 @@ def summarize(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any]
             entry["worst_x_case_floor"] = max(r["x_case_floor"] for r in group)
         out.append(entry)
     return out
+
+
+def case_rate_note(rows: list[dict[str, Any]], limits: Limits) -> str:
+    """One line for a report's notes: where the compute floors come from, and the range of the GEMM
+    rates measured in the cases' rounds as shares of the run's peak."""
+    shares: dict[str, list[float]] = {}
+    for r in rows:
+        if "case_gemm_rate" in r:
+            shares.setdefault(r["dtype"], []).append(r["case_gemm_rate"] / limits.peak(r["dtype"]))
+    if not shares:
+        return "compute floors: the run's peak GEMM rate"
+    ranges = ", ".join(f"{name} {min(v):.0%}-{max(v):.0%}" for name, v in shares.items())
+    return (
+        "compute floors: the run's peak GEMM rate; x floor at the rate here: the compute floor from the median "
+        f"of a square GEMM timed in each case's rounds ({ranges} of the peak this run)"
+    )
 
 
 def run_benchmark(

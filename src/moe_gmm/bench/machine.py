@@ -35,7 +35,7 @@ import platform
 import re
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,6 +49,7 @@ __all__ = [
     "Limits",
     "MachineInfo",
     "describe_machine",
+    "gemm_rate_probes",
     "measure_limits",
     "roofline_floor",
 ]
@@ -283,6 +284,15 @@ class GemmRateProbe:
     def measure(self, repeats: int = 2) -> float:
         """Best FLOP/s of the GEMM over ``repeats`` calls after one warm-up call."""
         return self.flops / _best_seconds(self.run, repeats)
+
+
+def gemm_rate_probes(dtypes: Sequence[torch.dtype], limits: Limits) -> dict[str, GemmRateProbe]:
+    """One :class:`GemmRateProbe` per dtype, keyed by its name, on the GEMM that set the dtype's peak
+    in ``limits`` (``n`` = the peak's first size)."""
+    return {
+        dtype_name(d): GemmRateProbe(d, limits.peak_sources.get(dtype_name(d), TORCH_MM), limits.gemm_sizes[0])
+        for d in dtypes
+    }
 
 
 def measure_copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:

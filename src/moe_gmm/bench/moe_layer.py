@@ -56,12 +56,13 @@ from moe_gmm.bench.harness import (
     TimingSettings,
     Workload,
     add_run_arguments,
+    case_rate_note,
     maybe_progress,
     run_benchmark,
     split_choices,
     time_interleaved,
 )
-from moe_gmm.bench.machine import DTYPE_NAMES, describe_machine, measure_limits
+from moe_gmm.bench.machine import DTYPE_NAMES, describe_machine, gemm_rate_probes, measure_limits
 from moe_gmm.bench.memory import measure_in_subprocess, memory_markdown, print_memory_table
 from moe_gmm.integrations.transformers import (
     hf_to_moe_gmm_state_dict,
@@ -551,7 +552,10 @@ def main(argv: list[str] | None = None) -> int:
             title="MoE layer (Qwen3.5-MoE sparse block): " + ", ".join(names),
             command=command.strip(),
             progress=progress,
+            rate_probes=None if args.quick else gemm_rate_probes(dtypes, limits),
         )
+    if not args.quick:
+        report.notes.append(case_rate_note(report.rows, report.limits))
     print_report(report, console)
     breakdowns = []
     if args.breakdown_steps > 0 and "moe_gmm" in names:
