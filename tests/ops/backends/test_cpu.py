@@ -458,6 +458,33 @@ def test_avx512_grad_weight_writes_everything_under_poison(avx512, poisoned_memo
         assert bool((dw[[0, 2, 3, 5]] == 0).all())
 
 
+# Experts of 384 rows (kTNPackRows in grouped_gemm_avx512.cpp) and more: the blocks read copies of
+# the task's 48 columns of x and of each 64 columns of dy. Beside them, experts just under the
+# limit, few-row and empty ones; widths off the 48-row panel, the 6-row block and the 64-column
+# strip (masked tails).
+PACKED_COUNTS = [400, 0, 5, 385, 383, 700]
+
+
+def test_avx512_grad_weight_of_experts_of_many_rows_vs_float64_and_eager(avx512, monkeypatch):
+    monkeypatch.setattr(cpu, "AVX512_GRAD_WEIGHT_MAX_ROWS", 4096)
+    _check(PACKED_COUNTS, 101, 150, torch.float32, seed=5)
+
+
+def test_avx512_grad_weight_of_experts_of_many_rows_reads_strided_rows(avx512, poisoned_memory):
+    ops = native.ops()
+    counts, k, n = PACKED_COUNTS, 100, 70
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(sum(counts), k + 5, generator=g)[:, :k]  # rows k + 5 floats apart
+    dy = torch.randn(sum(counts), n + 11, generator=g)[:, 3 : 3 + n]
+    ends = torch.tensor(counts).cumsum(0)
+    dw_ref = torch.stack([xe.double().T @ de.double() for xe, de in zip(x.split(counts), dy.split(counts))])
+    for _ in range(2):
+        dw = torch.empty(len(counts), k, n)
+        ops.avx512_gemm_tn(x, dy, ends, 4096, dw)
+        assert_rel_close(dw, dw_ref.float(), 1e-5, "grad_weight, strided operands")
+        assert bool((dw[1] == 0).all())
+
+
 def _same_at_every_thread_count(call) -> None:
     threads = torch.get_num_threads()
     try:
@@ -470,8 +497,9 @@ def _same_at_every_thread_count(call) -> None:
     assert all(torch.equal(r, results[0]) for r in results[1:])
 
 
-def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512):
-    counts = [40, 0, 3, 70, 17]
+@pytest.mark.parametrize("counts", [[40, 0, 3, 70, 17], PACKED_COUNTS], ids=["few_rows", "many_rows"])
+def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512, monkeypatch, counts):
+    monkeypatch.setattr(cpu, "AVX512_GRAD_WEIGHT_MAX_ROWS", 4096)
     x, _, _ = gmm_inputs(counts, 96, 8)
     dy = torch.randn(x.shape[0], 200)
     ends = torch.tensor(counts).cumsum(0)
