@@ -325,6 +325,30 @@ def test_bf16_kernels_take_experts_of_hundreds_of_rows(bf16_family, monkeypatch)
     _check([300, 2, 530], 64, 96, torch.bfloat16, transposed_weight=False)
 
 
+@pytest.mark.parametrize("transposed_weight", [False, True])
+def test_avx512_bf16_nn_copies_inputs_whose_rows_are_4_kib_apart(bf16_family, poisoned_memory, transposed_weight):
+    if bf16_family != "avx512_bf16":
+        pytest.skip("the copy is the AVX-512 BF16 nn kernel's")
+    # nn multiplies x by an [E, K, N] weight (the forward) and dy by an [E, N, K] one (grad_input):
+    # that input's rows are 2048 bf16, 4 KiB, apart here; the 257-row expert is one of oneDNN's
+    counts, wide, narrow = [200, 0, 100, 257], 2048, 64
+    k, n = (wide, narrow) if not transposed_weight else (narrow, wide)
+    x, w, _ = gmm_inputs(counts, k, n, torch.bfloat16, transposed_weight=transposed_weight)
+    a = x if not transposed_weight else torch.randn(x.shape[0], n).to(torch.bfloat16)
+    ends = torch.tensor(counts).cumsum(0)
+    padded = cpu._rows_off_the_period(a, ends, 256)
+    assert padded.stride(0) == wide + 32 and torch.equal(padded, a)
+    assert cpu._rows_off_the_period(a, ends, 50) is a  # the kernel's experts hold under half the rows
+    off_period = torch.empty(a.shape[0], wide + 8, dtype=torch.bfloat16)[:, :wide].copy_(a)
+    assert cpu._rows_off_the_period(off_period, ends, 256) is off_period
+    product = cpu.forward if not transposed_weight else cpu.grad_input
+    out = product(a, w, ends)
+    assert torch.equal(out, product(off_period, w, ends))  # the copy changes no bit
+    applied = w if not transposed_weight else w.transpose(1, 2)
+    ref = torch.cat([ae.double() @ we.double() for ae, we in zip(a.split(counts), applied)])
+    assert_rel_close(out, ref, tolerance_for(torch.bfloat16).rel, "nn product")
+
+
 def test_bf16_kernels_expanded_grad_output(bf16_family):
     _check([3, 0, 40], 32, 64, torch.bfloat16, expanded_grad=True)
 
