@@ -233,8 +233,8 @@ class BenchReport:
 
     def set_limits(self, limits: Limits) -> None:
         """Use ``limits`` (e.g. the better of measurements before and after the run) for every floor;
-        a row's own copy bandwidth and GEMM rate, where they were measured next to its case, stay
-        its own."""
+        a row's own copy bandwidth and GEMM rate, where they were measured with its case, stay its
+        own."""
         self.limits = limits
         for row in self.rows:
             _set_floors(row, limits)
@@ -250,7 +250,7 @@ def _set_floors(row: dict[str, Any], limits: Limits) -> None:
     """A row's floor (``floor_s``, ``bound``, ``x_floor``): the compute part from the run's peak, the
     memory part from the row's own ``copy_bandwidth`` where it has one. With a ``case_gemm_rate``
     also ``case_floor_s`` and ``x_case_floor``: the same floor with the compute part from the GEMM
-    rate measured next to the case."""
+    rate measured in the case's timing rounds."""
     limits = replace(limits, copy_bandwidth=row.get("copy_bandwidth", limits.copy_bandwidth))
     row["floor_s"], row["bound"] = roofline_floor(row["flops"], row["min_bytes"], row["dtype"], limits)
     if "case_gemm_rate" in row:
