@@ -133,7 +133,7 @@ def test_gmm_impls_reference_first_dense_last():
         gmm_impls(["nope"])
 
 
-def _report(impls, dtypes=(torch.float32,), modes=("fwd", "bwd", "fwdbwd")):
+def _report(impls, dtypes=(torch.float32,), modes=("fwd", "bwd", "fwdbwd"), **probes):
     return run_benchmark(
         [TINY],
         impls,
@@ -145,6 +145,7 @@ def _report(impls, dtypes=(torch.float32,), modes=("fwd", "bwd", "fwdbwd")):
         reference="eager",
         primary="torch",
         title="tiny",
+        **probes,
     )
 
 
@@ -251,19 +252,7 @@ def test_set_limits_recomputes_floors_and_merge_takes_the_better():
 
 
 def test_bandwidth_measured_next_to_each_case_sets_its_memory_floor():
-    probe = CopyBandwidthProbe(mib=4)
-    report = run_benchmark(
-        [TINY],
-        gmm_impls(["torch"]),
-        dtypes=[torch.float32],
-        modes=["fwd", "fwdbwd"],
-        limits=LIMITS,
-        machine=describe_machine(),
-        settings=FAST,
-        reference="eager",
-        title="tiny",
-        bandwidth_probe=probe,
-    )
+    report = _report(gmm_impls(["torch"]), modes=("fwd", "fwdbwd"), bandwidth_probe=CopyBandwidthProbe(mib=4))
     for row in report.rows:
         assert row["copy_bandwidth"] > 0 and row["copy_bandwidth"] != LIMITS.copy_bandwidth
         compute_s = row["flops"] / LIMITS.peak_flops["fp32"]
@@ -292,17 +281,10 @@ def test_rate_measured_in_each_case_s_rounds_gives_a_second_ratio():
     calls = []
     gemm = probe.run
     probe.run = lambda: calls.append(gemm())
-    report = run_benchmark(
-        [TINY],
+    report = _report(
         gmm_impls(["torch"]),
-        dtypes=[torch.float32, torch.bfloat16],
-        modes=["fwd", "fwdbwd"],
-        limits=LIMITS,
-        machine=describe_machine(),
-        settings=FAST,
-        reference="eager",
-        primary="torch",
-        title="tiny",
+        dtypes=(torch.float32, torch.bfloat16),
+        modes=("fwd", "fwdbwd"),
         rate_probes={"fp32": probe},  # none for bf16: its rows keep the run's floor alone
     )
     assert len(calls) == 2 * (FAST.warmup + FAST.max_repeats)  # in every round of both fp32 modes
