@@ -20,9 +20,9 @@ ratio to the *roofline floor*, the least time the work could take on this machin
 
 Both limits move while a run goes on. :class:`CopyBandwidthProbe` and :class:`GemmRateProbe` measure
 them again at each case: the GMM benchmark takes a case's memory floor from the bandwidth measured
-next to it, and reports its ratio to a floor from the GEMM rate measured in its own timing rounds
-beside the ratio to the run's peak (``x_case_floor`` beside ``x_floor``), so a slow case can be
-told from a slow moment.
+next to it, and the GMM and layer benchmarks report each case's ratio to a floor from the GEMM rate
+measured in its own timing rounds beside the ratio to the run's peak (``x_case_floor`` beside
+``x_floor``), so a slow case can be told from a slow moment.
 
 It also describes the machine (CPU, cores, threads, torch, BLAS, git commit, load average) for the
 header of every result file.

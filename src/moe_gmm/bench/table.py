@@ -154,12 +154,10 @@ def print_report(report: BenchReport, console=None) -> None:
     for line in _header_lines(report):
         console.print(line, highlight=False)
     header, lines = _table_data(report)
-    table = Table(
-        show_lines=False,
-        header_style="bold",
-        caption="cell: median ms (time / roofline floor); floor c = compute-bound, m = memory-bound; "
-        "the rate here: a square GEMM timed in the case's rounds, the compute floor from its median",
-    )
+    caption = "cell: median ms (time / roofline floor); floor c = compute-bound, m = memory-bound"
+    if any("case_gemm_rate" in r for r in report.rows):
+        caption += "; the rate here: a square GEMM timed in the case's rounds, the compute floor from its median"
+    table = Table(show_lines=False, header_style="bold", caption=caption)
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i < 2 else "right", overflow="fold")
     for line in lines:
