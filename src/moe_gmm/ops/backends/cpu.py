@@ -477,6 +477,8 @@ def _rows_off_the_period(a_MR: torch.Tensor, group_ends_E: torch.Tensor, max_row
     if 2 * kernel_rows < a_MR.shape[0]:
         return a_MR
     line = 64 // a_MR.element_size()
+    # From the host cache rather than weight_layout.pad_rows' fresh tensor: an input of tens of MiB
+    # would otherwise be faulted in again on every call.
     padded = host_cache.empty((a_MR.shape[0], a_MR.shape[1] + line), dtype=a_MR.dtype)[:, : a_MR.shape[1]]
     return padded.copy_(a_MR)
 

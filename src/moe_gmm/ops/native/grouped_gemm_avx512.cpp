@@ -164,18 +164,9 @@ constexpr auto kStreamingBlocks = block_table<true>(std::make_integer_sequence<i
 
 using moe_gmm_gemm::run_tasks;
 
-// rows x cols floats of src (ld_src apart) to dst (ld_dst apart), cols <= 64: one row at a time.
+// rows x cols floats of src (ld_src apart) to dst (ld_dst apart).
 inline void copy_rows(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float* dst, int64_t ld_dst) {
-  const int vectors = static_cast<int>((cols + kLanes - 1) / kLanes);
-  const __mmask16 tail = tail_mask(cols - int64_t(vectors - 1) * kLanes);
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* from = src + m * ld_src;
-    float* to = dst + m * ld_dst;
-    for (int v = 0; v < vectors; ++v) {
-      const __mmask16 mask = v == vectors - 1 ? tail : __mmask16(0xFFFF);
-      _mm512_mask_storeu_ps(to + v * kLanes, mask, _mm512_maskz_loadu_ps(mask, from + v * kLanes));
-    }
-  }
+  for (int64_t m = 0; m < rows; ++m) std::memcpy(dst + m * ld_dst, src + m * ld_src, cols * sizeof(float));
 }
 
 // One task per (expert, range of `step` output columns or weight rows) for experts of 1..max_rows
