@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_gmm.layers import MoeBlockConfig, SparseMoeBlock
-from moe_gmm.testing import assert_rel_close, reference_moe_block, tolerance_for
+from moe_gmm.testing import assert_rel_close, reference_moe_block, relative_error, tolerance_for
 
 CONFIG = MoeBlockConfig(
     hidden_size=16,
@@ -219,14 +219,30 @@ def test_fullgraph_compile_forward_and_backward():
     seed=st.integers(0, 2**16),
 )
 def test_random_shapes_vs_reference(num_tokens, num_experts, data, hidden, inter, shared, seed):
-    torch.manual_seed(seed)
     top_k = data.draw(st.integers(1, num_experts))
+    _check_against_reference(num_tokens, num_experts, top_k, hidden, inter, shared, seed)
+
+
+def test_a_gradient_that_cancels_is_as_close_as_the_eager_blocks():
+    # A shared expert of one unit: its down_proj gradient is a sum over the tokens that cancels to
+    # about 1e-8 (relative error 2.8e-4 against float64 in float32, in every implementation).
+    _check_against_reference(num_tokens=11, num_experts=1, top_k=1, hidden=8, inter=1, shared=1, seed=2126)
+
+
+def _check_against_reference(num_tokens, num_experts, top_k, hidden, inter, shared, seed):
+    torch.manual_seed(seed)
     config = MoeBlockConfig(
         hidden_size=hidden, num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
         shared_expert_intermediate_size=shared,
     )  # fmt: skip
     block = SparseMoeBlock(config)
     x = torch.randn(num_tokens, hidden, requires_grad=True)
+    # The same block on the per-expert loop: how close float32 can get where a gradient cancels.
+    eager_block = SparseMoeBlock(dataclasses.replace(config, gmm_backend="eager"))
+    eager_block.load_state_dict(block.state_dict())
+    x_eager = x.detach().clone().requires_grad_(True)
+    eager_block(x_eager).sum().backward()
+    eager_grads = {"d x": x_eager.grad, **{f"d {n}": p.grad for n, p in eager_block.named_parameters()}}
     out = block(x)
     leaves = {n: p.detach().double().requires_grad_(True) for n, p in block.named_parameters()}
     x64 = x.detach().double().requires_grad_(True)
@@ -239,12 +255,17 @@ def test_random_shapes_vs_reference(num_tokens, num_experts, data, hidden, inter
     def check_grad(got, want, what):
         # The reference skips experts without tokens (grad None); with k = 1 and renormalisation the
         # router's grad is exactly zero in float64 and rounding noise in float32: compare absolutely.
+        eager = eager_grads[what] if eager_grads[what] is not None else torch.zeros_like(got)
         got = got.grad if got.grad is not None else torch.zeros_like(got)
         want = want.grad if want.grad is not None else torch.zeros_like(want)
         if want.norm() < 1e-12:
             assert got.numel() == 0 or got.abs().max() < 1e-6, what
-        else:
-            assert_rel_close(got, want, 1e-5, what)
+        elif relative_error(got, want) > 1e-5:
+            # A gradient summed from terms much larger than itself keeps fewer float32 digits in any
+            # float32 implementation: then it must be as close to float64 as the eager block's, within 2x.
+            eager_err = (eager.double() - want).abs().max().item()
+            got_err = (got.double() - want).abs().max().item()
+            assert got_err <= 2 * eager_err, f"{what}: max abs error {got_err:.3e}, eager block's {eager_err:.3e}"
 
     check_grad(x, x64, "d x")
     for n, p in block.named_parameters():
