@@ -319,7 +319,7 @@ def test_bf16_kernels_hand_large_experts_to_library_gemms(bf16_family, monkeypat
 
 
 def test_bf16_kernels_take_experts_of_hundreds_of_rows(bf16_family, monkeypatch):
-    # the AVX-512 nn kernel keeps at most 192 rows' sums at a time and reads the panel again past that
+    # AVX-512 BF16: the pair blocks keep the float32 sums of all of an expert's rows between depth chunks
     for limit in BF16_LIMITS[bf16_family]:
         monkeypatch.setattr(cpu, limit, 10**9)
     _check([300, 2, 530], 64, 96, torch.bfloat16, transposed_weight=False)
@@ -347,6 +347,41 @@ def test_avx512_bf16_nn_copies_inputs_whose_rows_are_4_kib_apart(bf16_family, po
     applied = w if not transposed_weight else w.transpose(1, 2)
     ref = torch.cat([ae.double() @ we.double() for ae, we in zip(a.split(counts), applied)])
     assert_rel_close(out, ref, tolerance_for(torch.bfloat16).rel, "nn product")
+
+
+def test_avx512_bf16_nn_blocks_sum_in_the_bands_order(bf16_family):
+    if bf16_family != "avx512_bf16":
+        pytest.skip("the blocks and bands are the AVX-512 BF16 nn kernel's")
+    # Experts of 32 rows or more take the 6 x 64 blocks over a packed weight, fewer the bands; both
+    # add the depth's pairs in order into float32 sums, so 40 rows as one expert give the bits of
+    # the same rows as two experts of 20 with the same weight. Depth and width past one packed
+    # chunk (256) and one task (256 columns), the last strip 32 wide; rows past 6-row blocks.
+    k, n = 288, 544
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(40, k, generator=generator).to(torch.bfloat16)
+    w = (torch.randn(1, k, n, generator=generator) / k**0.5).to(torch.bfloat16)
+    whole = cpu.forward(x, w, torch.tensor([40]))
+    split = cpu.forward(x, w.repeat(2, 1, 1), torch.tensor([20, 40]))
+    assert torch.equal(whole, split)
+    assert_rel_close(whole, x.double() @ w[0].double(), tolerance_for(torch.bfloat16).rel, "nn blocks")
+
+
+def test_avx512_bf16_nt_weights_with_an_odd_row_stride(bf16_family):
+    if bf16_family != "avx512_bf16":
+        pytest.skip("the pair blocks are the AVX-512 BF16 nt kernel's")
+    # The blocks read the weight's rows as 32-bit pairs; with an odd row stride they cannot, and the
+    # experts of many rows stay on the dot products. Either way against float64.
+    counts = [40, 3, 70]
+    ends = torch.tensor(counts).cumsum(0)
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(sum(counts), 96, generator=generator).to(torch.bfloat16)
+    b = (torch.randn(3, 64, 96, generator=generator) / 96**0.5).to(torch.bfloat16)  # [E, J, R]
+    b_odd = torch.empty(3, 64, 97, dtype=torch.bfloat16)[:, :, :96].copy_(b)
+    ref = torch.cat([ae.double() @ be.double().T for ae, be in zip(a.split(counts), b)])
+    for weight in (b, b_odd):
+        out = torch.full((a.shape[0], 64), float("nan"), dtype=torch.bfloat16)
+        native.ops().avx512_bf16_gemm_nt(a, weight, ends, 256, out)
+        assert_rel_close(out, ref, tolerance_for(torch.bfloat16).rel, f"nt, row stride {weight.stride(1)}")
 
 
 def test_bf16_kernels_expanded_grad_output(bf16_family):

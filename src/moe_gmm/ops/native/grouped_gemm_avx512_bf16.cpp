@@ -14,7 +14,11 @@
 //       is broadcast against them. The float32 sums of the task's rows stay in L1/L2 between
 //       bands.
 //   nt: the weight's rows already hold the reduced dimension contiguously: each output value is a
-//       dot product of an input row and a weight row, 8 input rows by 2 weight rows at a time.
+//       dot product of an input row and a weight row, 4 input rows by 4 weight rows at a time.
+//   nn and nt for experts of kPairBlockMinRows rows or more: each 64 columns x 256 of the depth of
+//       the weight is laid out in pairs in a thread's buffer once (nn: its rows interleaved, nt:
+//       its 32-bit pairs transposed), and 6 x 64 blocks of the output pass over it from L1, the
+//       input's pairs broadcast, 24 sums in registers.
 //   tn: the expert's rows of b are interleaved in pairs once (the expert's few rows fit in L2)
 //       and every 6 x 64 block of the weight gradient is one pass over them, a's pairs broadcast;
 //       the gradient, the largest stream of the call, is written with streaming stores.
@@ -191,6 +195,127 @@ void nn_panel(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w, i
     }
 }
 
+// ---- pair blocks (nn and nt, experts of many rows) -----------------------------------------------
+// nn and nt: experts of this many rows or more take 6 x 64 blocks over a packed copy of the weight
+// instead of the bands (nn) or dot products (nt). The bands load each weight line straight from
+// the weight, where rows 2-4 KiB apart (N = 1024-2048) put a band's 16 lines and the next band's
+// prefetched 16 in one or two L1 sets; the packed chunk is contiguous. Against them, the two taking
+// turns in one process (2 threads, forward / grad_input, median of 12-16 paired rounds): E128 k2
+// T4096 (64 rows each) gate_up 1.08x / 1.15x, down 1.02x / 1.06x; E64 k8 T512 H2048 gate_up 1.11x /
+// 1.14x, down 1.14x / 1.36x; skewed 0.99-1.05x / 1.04-1.08x; at 16 rows (E256 T512) 0.77-0.93x.
+constexpr int64_t kPairBlockMinRows = 32;
+static_assert(kScratchFloats / (kPairBlockMinRows - 1) >= 32, "the bands' sums fit the scratch in one panel");
+constexpr int kBlockRows = 6;             // 6 x 4 accumulators + 4 weight vectors + 1 broadcast
+constexpr int64_t kBlockColumns = 64;
+constexpr int64_t kBlockDepth = 256;      // the depth of a packed chunk: 128 pairs x 64 columns, 32 KiB
+constexpr int64_t kBlockTaskColumns = 256;
+
+// The pair of bfloat16 values at p in every lane, in a register: GCC would otherwise fold the
+// broadcast into the multiply-add as an embedded-broadcast operand.
+inline __m512bh broadcast_pair(const uint16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  __m512i v = _mm512_set1_epi32(pair);
+  asm("" : "+v"(v));
+  return as_pairs(v);
+}
+
+// sums[i][0:16*NV] (+)= sum_p x[i][2p, 2p + 1] . packed[p][0:16*NV] for i < MR, p < pairs (x's rows
+// lda apart, packed's pairs 2 * kBlockColumns values apart). With `out`, the sums are rounded to
+// bfloat16 into out (ldo apart) instead of stored. Prefetches lines pf_first.. of `pf`, one per pair
+// (line L: row L >> pf_shift, line L & ((1 << pf_shift) - 1) of that row, rows ldp apart).
+template <int MR, int NV>
+void pair_block(const uint16_t* x, int64_t lda, const uint16_t* packed, int64_t pairs, float* sums, int64_t lds,
+                bool first, uint16_t* out, int64_t ldo, const uint16_t* pf, int64_t ldp, int pf_shift, int64_t pf_first,
+                int pf_count) {
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * lds + 16 * v);
+  const int64_t line_mask = (int64_t(1) << pf_shift) - 1;
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (p < pf_count) {
+      const int64_t line = pf_first + p;
+      const char* addr = reinterpret_cast<const char*>(pf + (line >> pf_shift) * ldp + (line & line_mask) * 32);
+      _mm_prefetch(addr, _MM_HINT_T0);
+    }
+    __m512i wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(packed + p * 2 * kBlockColumns + 32 * v);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = broadcast_pair(x + i * lda + 2 * p);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], as_pairs(wv[v]), xv);
+    }
+  }
+  if (out != nullptr) {
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NV; v += 2) _mm512_storeu_si512(out + i * ldo + 16 * v, round_to_bf16(acc[i][v], acc[i][v + 1]));
+  } else {
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(sums + i * lds + 16 * v, acc[i][v]);
+  }
+}
+
+using PairBlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool, uint16_t*,
+                             int64_t, const uint16_t*, int64_t, int, int64_t, int);
+constexpr PairBlockFn kPairBlocks[2][kBlockRows] = {
+    {&pair_block<1, 2>, &pair_block<2, 2>, &pair_block<3, 2>, &pair_block<4, 2>, &pair_block<5, 2>, &pair_block<6, 2>},
+    {&pair_block<1, 4>, &pair_block<2, 4>, &pair_block<3, 4>, &pair_block<4, 4>, &pair_block<5, 4>, &pair_block<6, 4>}};
+
+// out[0:rows, 0:cols] = x[0:rows, 0:depth] @ W for an expert of many rows, W = w[0:depth, 0:cols]
+// (nn) or w[0:cols, 0:depth]^T (Transposed: nt). For each 64 columns and kBlockDepth of the depth,
+// W's values are laid out in pairs in a thread's contiguous buffer once (nn: row pairs interleaved;
+// nt: w's 32-bit pairs transposed), and 6 x 64 blocks down the expert's rows read it from L1 with
+// their sums in registers (float32 between chunks, in a thread's buffer). The blocks prefetch the
+// next chunk, or at the end `following` (the next task's first, laid out as w).
+template <bool Transposed>
+void pair_blocks(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w, int64_t ldw, int64_t depth,
+                 int64_t cols, uint16_t* out, int64_t ldo, const uint16_t* following) {
+  thread_local std::vector<uint16_t> packed_buffer;
+  thread_local std::vector<float> sums_buffer;
+  packed_buffer.resize(kBlockDepth * kBlockColumns);
+  sums_buffer.resize(rows * kBlockColumns);
+  uint16_t* packed = packed_buffer.data();
+  float* sums = sums_buffer.data();
+  const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+  // a chunk's lines: nn kBlockDepth rows of 2 lines, nt kBlockColumns rows of kBlockDepth / 32 lines
+  const int pf_shift = Transposed ? 3 : 1;
+  const int64_t chunk_lines = Transposed ? kBlockColumns * (kBlockDepth / 32) : 2 * kBlockDepth;
+  for (int64_t j = 0; j < cols; j += kBlockColumns) {
+    const int64_t width = std::min(kBlockColumns, cols - j);
+    const auto& table = kPairBlocks[width == kBlockColumns ? 1 : 0];
+    for (int64_t k0 = 0; k0 < depth; k0 += kBlockDepth) {
+      const int64_t chunk = std::min(kBlockDepth, depth - k0);
+      if constexpr (Transposed) {
+        // packed[p][c] = the 32-bit pair w[j + c][k0 + 2p, k0 + 2p + 1]
+        auto* packed32 = reinterpret_cast<uint32_t*>(packed);
+        for (int64_t c0 = 0; c0 < width; c0 += 16)
+          for (int64_t p0 = 0; p0 < chunk / 2; p0 += 16)
+            moe_gmm_simd::transpose_16x16(reinterpret_cast<const uint32_t*>(w + (j + c0) * ldw + k0 + 2 * p0), ldw / 2,
+                                          packed32 + p0 * kBlockColumns + c0, kBlockColumns);
+      } else {
+        for (int64_t p = 0; p < chunk / 2; ++p)
+          moe_gmm_simd::interleave_rows(w + (k0 + 2 * p) * ldw + j, w + (k0 + 2 * p + 1) * ldw + j,
+                                        packed + p * 2 * kBlockColumns, width);
+      }
+      const bool last = k0 + kBlockDepth >= depth;
+      const uint16_t* next = Transposed ? (!last                       ? w + j * ldw + k0 + kBlockDepth
+                                           : j + kBlockColumns < cols ? w + (j + kBlockColumns) * ldw
+                                                                      : following)
+                                        : (!last                       ? w + (k0 + kBlockDepth) * ldw + j
+                                           : j + kBlockColumns < cols ? w + j + kBlockColumns
+                                                                      : following);
+      const int64_t lines = next == nullptr ? 0 : chunk_lines;
+      const int64_t per_block = (lines + blocks - 1) / blocks;
+      for (int64_t r = 0, b = 0; r < rows; r += kBlockRows, ++b) {
+        const int mr = static_cast<int>(std::min<int64_t>(kBlockRows, rows - r));
+        const int64_t pf_first = std::min(lines, b * per_block);
+        const int pf_count = static_cast<int>(std::min(lines, pf_first + per_block) - pf_first);
+        table[mr - 1](x + r * lda + k0, lda, packed, chunk / 2, sums + r * kBlockColumns, kBlockColumns, k0 == 0,
+                      last ? out + r * ldo + j : nullptr, ldo, next, ldw, pf_shift, pf_first, pf_count);
+      }
+    }
+  }
+}
+
 // ---- nt ----------------------------------------------------------------------------------------
 
 using moe_gmm_simd::sum_lanes_of_16;
@@ -264,10 +389,10 @@ constexpr OuterFn outer_fn(int mr, int nv) {
 // One task per (expert, range of `step` output columns or rows) for experts of at most max_rows
 // rows (and, with keep_empty, empty ones); cost: the rows plus a constant for reading the range.
 void tasks_of(const std::vector<int64_t>& starts, int64_t width, int64_t step, bool keep_empty, int64_t max_rows,
-              std::vector<Task>& tasks, std::vector<double>& cost) {
+              std::vector<Task>& tasks, std::vector<double>& cost, int64_t min_rows = 0) {
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(starts.size()); ++e) {
     const int64_t rows = starts[e + 1] - starts[e];
-    if ((rows == 0 && !keep_empty) || rows > max_rows) continue;
+    if ((rows == 0 && !keep_empty) || rows > max_rows || rows < min_rows) continue;
     for (int64_t j = 0; j < width; j += step) {
       const int64_t end = std::min(width, j + step);
       tasks.push_back({e, j, end});
@@ -301,25 +426,30 @@ void avx512_bf16_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const uint16_t *ap = bf16_bits(a), *bp = bf16_bits(b);
   uint16_t* op = bf16_bits(out);
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
-  // the widest panel (a multiple of 32 columns) whose float32 sums fit the scratch
-  const int64_t largest = std::max<int64_t>(1, moe_gmm_gemm::largest_group(starts, max_rows));
-  const int64_t step = std::max<int64_t>(32, std::min(kNNColumns, kScratchFloats / largest / 32 * 32));
-  const int64_t rows_per_pass = kScratchFloats / step;  // past that (over 192 rows) the panel is read again
+  // The bands take the experts of fewer than kPairBlockMinRows rows, in the widest panels (a
+  // multiple of 32 columns) whose float32 sums fit the scratch; the pair blocks the others.
+  const int64_t band_max_rows = std::min(max_rows, kPairBlockMinRows - 1);
+  const int64_t largest = std::max<int64_t>(1, moe_gmm_gemm::largest_group(starts, band_max_rows));
+  const int64_t step = std::min(kNNColumns, kScratchFloats / largest / 32 * 32);
   std::vector<Task> tasks;
   std::vector<double> cost;
-  tasks_of(starts, width, step, false, max_rows, tasks, cost);
+  tasks_of(starts, width, step, false, band_max_rows, tasks, cost);
+  tasks_of(starts, width, kBlockTaskColumns, false, max_rows, tasks, cost, kPairBlockMinRows);
   const int64_t b_elements = b.size(0) * lde;
   moe_gmm_gemm::run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
-    // The last band prefetches the first band of the next panel or expert, usually this thread's
-    // next task (E256 with 4-16 rows per expert: 1.06x faster).
+    // The last band or block prefetches the first of the next panel or expert, usually this
+    // thread's next task (E256 with 4-16 rows per expert: 1.06x faster).
     const uint16_t* following = moe_gmm_gemm::following_panel(bp, task, width, lde, b_elements);
-    const bool row_pointer = rows >= kRowPointerMinRows && rows <= kRowPointerMaxRows;
-    const auto panel = row_pointer ? &nn_panel<true> : &nn_panel<false>;
-    for (int64_t r = 0; r < rows; r += rows_per_pass)
-      panel(ap + (m0 + r) * lda, lda, std::min(rows_per_pass, rows - r), bp + task.expert * lde + task.begin, ldb,
-            depth, task.end - task.begin, op + (m0 + r) * ldo + task.begin, ldo,
-            r + rows_per_pass >= rows ? following : nullptr);
+    const uint16_t* w = bp + task.expert * lde + task.begin;
+    uint16_t* o = op + m0 * ldo + task.begin;
+    if (rows >= kPairBlockMinRows) {
+      pair_blocks<false>(ap + m0 * lda, lda, rows, w, ldb, depth, task.end - task.begin, o, ldo, following);
+    } else {
+      const bool row_pointer = rows >= kRowPointerMinRows && rows <= kRowPointerMaxRows;
+      (row_pointer ? &nn_panel<true> : &nn_panel<false>)(ap + m0 * lda, lda, rows, w, ldb, depth,
+                                                         task.end - task.begin, o, ldo, following);
+    }
   });
 #endif
 }
@@ -334,12 +464,21 @@ void avx512_bf16_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
   std::vector<Task> tasks;
   std::vector<double> cost;
-  tasks_of(starts, width, kNTPanel, false, max_rows, tasks, cost);
+  // an odd row stride would split the weight's pairs: such weights stay on the dot products
+  const int64_t block_min_rows = ldb % 2 == 0 ? kPairBlockMinRows : max_rows + 1;
+  tasks_of(starts, width, kNTPanel, false, std::min(max_rows, block_min_rows - 1), tasks, cost);
+  tasks_of(starts, width, kBlockTaskColumns, false, max_rows, tasks, cost, block_min_rows);
   const bool contiguous = lde == width * ldb;
   const int64_t b_elements = b.size(0) * lde;
   moe_gmm_gemm::run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
     const uint16_t* w = bp + task.expert * lde;
+    if (rows >= block_min_rows) {
+      const int64_t following = task.end < width ? task.expert * lde + task.end * ldb : (task.expert + 1) * lde;
+      pair_blocks<true>(ap + m0 * lda, lda, rows, w + task.begin * ldb, ldb, depth, task.end - task.begin,
+                        op + m0 * ldo + task.begin, ldo, following < b_elements ? bp + following : nullptr);
+      return;
+    }
     // Each pass over the input rows prefetches its share of the weight rows kNTPrefetchBytes
     // ahead: the lines spread over the whole quad's work, not issued all at once.
     const int64_t groups = (rows + kDotRows - 1) / kDotRows;
