@@ -384,6 +384,31 @@ def test_avx512_bf16_nt_weights_with_an_odd_row_stride(bf16_family):
         assert_rel_close(out, ref, tolerance_for(torch.bfloat16).rel, f"nt, row stride {weight.stride(1)}")
 
 
+@pytest.mark.parametrize("counts", [[5, 0, 3], [40, 2, 70]], ids=["bands", "blocks"])
+def test_bf16_kernels_empty_reduction_is_zero(bf16_family, poisoned_memory, counts):
+    # K = 0 (forward) and N = 0 (grad_input) are multiples of 32: the products are all zeros, after
+    # calls that leave sums in the kernels' thread buffers, and the native ops write them too
+    ends = torch.tensor(counts).cumsum(0)
+    x, w, _ = gmm_inputs(counts, 64, 64, torch.bfloat16)
+    cpu.forward(x, w, ends), cpu.grad_input(torch.randn(x.shape[0], 64).to(torch.bfloat16), w, ends)
+    empty_x, empty_dy = (
+        torch.empty(x.shape[0], 0, dtype=torch.bfloat16),
+        torch.empty(x.shape[0], 0, dtype=torch.bfloat16),
+    )
+    assert torch.equal(
+        cpu.forward(empty_x, torch.empty(3, 0, 64, dtype=torch.bfloat16), ends), torch.zeros(x.shape[0], 64)
+    )
+    assert torch.equal(
+        cpu.grad_input(empty_dy, torch.empty(3, 64, 0, dtype=torch.bfloat16), ends), torch.zeros(x.shape[0], 64)
+    )
+    if bf16_family == "avx512_bf16":
+        kernels = cpu._Bf16Kernels(bf16_family, native.ops())
+        for product, weight in (("nn", torch.empty(3, 0, 64)), ("nt", torch.empty(3, 64, 0))):
+            out = torch.full((x.shape[0], 64), float("nan"), dtype=torch.bfloat16)
+            kernels.op(product)(empty_x, weight.to(torch.bfloat16), ends, 256, out)
+            assert torch.equal(out, torch.zeros_like(out)), product
+
+
 def test_bf16_kernels_expanded_grad_output(bf16_family):
     _check([3, 0, 40], 32, 64, torch.bfloat16, expanded_grad=True)
 

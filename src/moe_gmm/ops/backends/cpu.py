@@ -487,8 +487,8 @@ def _bf16_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.T
     """``a[rows_e] @ w[e]`` (or ``@ w[e]^T``) by the native bfloat16 kernels, their large experts
     one GEMM each; None when they do not apply."""
     k, n = w_EKN.shape[1], w_EKN.shape[2]
-    if a_MR.shape[0] == 0:
-        return None
+    if a_MR.shape[0] == 0 or (n if transpose_w else k) == 0:
+        return None  # an empty reduction: the library path writes its zeros
     layout = _weight_layout(w_EKN)
     kernels = _bf16_kernels(a_MR, w_EKN, widths=(k, n)) if layout is not None else None
     if kernels is None:

@@ -46,6 +46,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "grouped_gemm_common.h"
@@ -386,6 +387,11 @@ constexpr OuterFn outer_fn(int mr, int nv) {
 
 #endif  // MOE_GMM_AVX512_BF16
 
+// rows x cols bfloat16 zeros at out, rows ldo apart.
+inline void zero_rows(uint16_t* out, int64_t ldo, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) std::memset(out + r * ldo, 0, cols * sizeof(uint16_t));
+}
+
 // One task per (expert, range of `step` output columns or rows) for experts of at most max_rows
 // rows (and, with keep_empty, empty ones); cost: the rows plus a constant for reading the range.
 void tasks_of(const std::vector<int64_t>& starts, int64_t width, int64_t step, bool keep_empty, int64_t max_rows,
@@ -438,6 +444,10 @@ void avx512_bf16_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const int64_t b_elements = b.size(0) * lde;
   moe_gmm_gemm::run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
+    if (depth == 0) {  // an empty sum: neither the bands nor the blocks would write it
+      zero_rows(op + m0 * ldo + task.begin, ldo, rows, task.end - task.begin);
+      return;
+    }
     // The last band or block prefetches the first of the next panel or expert, usually this
     // thread's next task (E256 with 4-16 rows per expert: 1.06x faster).
     const uint16_t* following = moe_gmm_gemm::following_panel(bp, task, width, lde, b_elements);
@@ -465,7 +475,7 @@ void avx512_bf16_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Ten
   std::vector<Task> tasks;
   std::vector<double> cost;
   // an odd row stride would split the weight's pairs: such weights stay on the dot products
-  const int64_t block_min_rows = ldb % 2 == 0 ? kPairBlockMinRows : max_rows + 1;
+  const int64_t block_min_rows = ldb % 2 == 0 ? kPairBlockMinRows : std::numeric_limits<int64_t>::max();
   tasks_of(starts, width, kNTPanel, false, std::min(max_rows, block_min_rows - 1), tasks, cost);
   tasks_of(starts, width, kBlockTaskColumns, false, max_rows, tasks, cost, block_min_rows);
   const bool contiguous = lde == width * ldb;
@@ -473,6 +483,10 @@ void avx512_bf16_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Ten
   moe_gmm_gemm::run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
     const uint16_t* w = bp + task.expert * lde;
+    if (depth == 0) {  // an empty sum: the blocks would not write it
+      zero_rows(op + m0 * ldo + task.begin, ldo, rows, task.end - task.begin);
+      return;
+    }
     if (rows >= block_min_rows) {
       const int64_t following = task.end < width ? task.expert * lde + task.end * ldb : (task.expert + 1) * lde;
       pair_blocks<true>(ap + m0 * lda, lda, rows, w + task.begin * ldb, ldb, depth, task.end - task.begin,
