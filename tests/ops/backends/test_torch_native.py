@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moe_gmm import grouped_matmul
@@ -17,6 +18,15 @@ def test_refuses_unaligned_k_or_n_with_a_reason():
     assert reason is not None and "K and N multiples of 8" in reason and "K=12" in reason
     x32, w32, _ = gmm_inputs([2, 2], 12, 16, torch.float32)
     assert TORCH.refusal(x32, w32) is None  # 12 fp32 = 48 bytes: aligned
+
+
+def test_refuses_zero_widths_and_auto_falls_back():
+    for k, n in ((0, 16), (16, 0)):
+        x, w, _ = gmm_inputs([2, 0, 3], k, n)
+        assert f"K={k}, N={n}" in TORCH.refusal(x, w)
+        with pytest.raises(ValueError, match="width 0"):
+            grouped_matmul(x, w, [2, 0, 3], backend="torch")
+        assert torch.equal(grouped_matmul(x, w, [2, 0, 3]), torch.zeros(5, n))
 
 
 def test_refuses_float64():

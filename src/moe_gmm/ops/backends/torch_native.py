@@ -9,6 +9,7 @@ Quirks of torch 2.13's kernel handled here, not at call sites:
 - every non-unit stride must be a multiple of 16 bytes ("strides should be multiple of 16 bytes"),
   on CPU too: K and N must be multiples of 16 bytes' worth of elements, else the backend refuses
   (``auto`` then falls back to eager), and a weight view with unaligned strides is copied;
+- K or N of 0 fails the same stride check: the backend refuses them (``auto`` falls back);
 - float64 is rejected by the kernel: the backend does not declare it, so ``auto`` picks eager;
 - on CUDA, empty groups' weight gradients are not documented to be zero: they are zeroed here.
 """
@@ -77,6 +78,8 @@ def grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Ten
 
 def _input_refusal(x_MK: torch.Tensor, w_EKN: torch.Tensor) -> str | None:
     k, n = x_MK.shape[1], w_EKN.shape[2]
+    if k == 0 or n == 0:
+        return f"grouped_mm rejects an operand of width 0 (its stride check fails), got K={k}, N={n}"
     multiple = _ALIGN_BYTES // x_MK.element_size()
     if k % multiple or n % multiple:
         dtype = str(x_MK.dtype).removeprefix("torch.")
