@@ -195,8 +195,8 @@ def store_expert_weights_input_major(model: torch.nn.Module) -> list[str]:
     faster so in bf16 (0.98-1.11x once the bf16 kernels took experts of 32 rows or more in blocks
     over a packed weight, whichever its layout) and 0.85-1.26x in float32 (over 1.05x in 23 of 30
     runs at E >= 64), fwd+bwd 0.90-1.20x (``benchmarks/RESULTS.md``, "Expert weights stored
-    input-major"): a gain for inference, smaller in bf16. The forward takes another kernel, so results agree with the default layout to
-    rounding, not bit for bit. Row padding (:func:`pad_expert_weight_rows`, before or after) is kept. ``.to(dtype)`` keeps
+    input-major"): a gain for inference, smaller in bf16. The forward takes another kernel, so
+    results agree with the default layout to rounding, not bit for bit. Row padding (:func:`pad_expert_weight_rows`, before or after) is kept. ``.to(dtype)`` keeps
     the unpadded layout (PyTorch preserves a dense tensor's strides); ``save_pretrained`` writes the
     usual contiguous checkpoint. Modules whose weights are already ``[E, in, out]``
     (``is_transposed``) and moe-gmm's own :class:`~moe_gmm.layers.GroupedExperts` are left as they
