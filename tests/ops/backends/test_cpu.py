@@ -349,6 +349,22 @@ def test_avx512_bf16_nn_copies_inputs_whose_rows_are_4_kib_apart(bf16_family, po
     assert_rel_close(out, ref, tolerance_for(torch.bfloat16).rel, "nn product")
 
 
+def test_avx512_bf16_nn_copies_inputs_for_the_bands_experts_only(bf16_family, monkeypatch):
+    if bf16_family != "avx512_bf16":
+        pytest.skip("the copy is the AVX-512 BF16 nn kernel's")
+    # experts of 32 rows or more take the pair blocks, which the copy slows: it counts the bands' only
+    assert native.ops().avx512_bf16_nn_band_rows() == 31
+    counts = [40, 3, 36]
+    x, w, _ = gmm_inputs(counts, 2048, 64, torch.bfloat16)  # x's rows 4 KiB apart
+    ends = torch.tensor(counts).cumsum(0)
+    limits, copy = [], cpu._rows_off_the_period
+    monkeypatch.setattr(cpu, "_rows_off_the_period", lambda a, e, rows: limits.append(rows) or copy(a, e, rows))
+    out = cpu.forward(x, w, ends)
+    assert limits == [31] and copy(x, ends, 31) is x
+    ref = torch.cat([xe.double() @ we.double() for xe, we in zip(x.split(counts), w)])
+    assert_rel_close(out, ref, tolerance_for(torch.bfloat16).rel, "nn product")
+
+
 def test_avx512_bf16_nn_blocks_sum_in_the_bands_order(bf16_family):
     if bf16_family != "avx512_bf16":
         pytest.skip("the blocks and bands are the AVX-512 BF16 nn kernel's")

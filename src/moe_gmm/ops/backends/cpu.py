@@ -168,7 +168,10 @@ USE_AVX512_BF16 = True
 # pass; the input is then first copied to rows one cache line longer, when the kernel takes at
 # least half of them. Forward, copy included, against the input as given (taking turns in one
 # process, 10 rounds; bit-identical): E64 k8 T512 H2048 gate_up 1.04-1.19x, E256 H2048 T512-T4096
-# 1.09-1.26x, skewed 1.06x; E8 (experts of 512+ rows, on oneDNN) 0.97-0.99x, hence the half.
+# 1.09-1.26x, skewed 1.06x; E8 (experts of 512+ rows, on oneDNN) 0.97-0.99x, hence the half. Since
+# experts of 32 rows or more take the pair blocks (their input read 6 rows at a time), only the
+# bands' experts count: with the blocks the copy ran E256 H2048 T512 (16 rows) 1.14x, T2048 and
+# T4096 (64 and 128 rows) 0.97-0.98x, E64 T512 H2048 0.97x.
 BF16_NN_INPUT_ROW_PERIOD = 4096
 AVX512_BF16_NN_MAX_ROWS = 256
 AVX512_BF16_NT_MAX_ROWS = 256
@@ -376,6 +379,7 @@ def amx_available() -> bool:
 
 
 _cpu_support: dict[str, bool] = {}  # what the CPU and build support, asked once
+_cpu_limits: dict[str, int] = {}  # the native kernels' own row limits, asked once
 
 
 def _amx_granted(ops) -> bool:
@@ -466,6 +470,13 @@ def _experts_ops(*tensors: torch.Tensor, num_experts: int):
     return native.ops(*tensors)
 
 
+def _nn_band_rows(ops) -> int:
+    """The most rows of an expert the AVX-512 BF16 nn kernel takes in bands (more: pair blocks)."""
+    if "avx512_bf16_nn_band_rows" not in _cpu_limits:
+        _cpu_limits["avx512_bf16_nn_band_rows"] = int(ops.avx512_bf16_nn_band_rows())
+    return _cpu_limits["avx512_bf16_nn_band_rows"]
+
+
 def _rows_off_the_period(a_MR: torch.Tensor, group_ends_E: torch.Tensor, max_rows: int) -> torch.Tensor:
     """``a`` itself, or a copy whose rows are one cache line longer (a view of the first columns)
     when its rows are a multiple of ``BF16_NN_INPUT_ROW_PERIOD`` bytes apart and experts of at most
@@ -502,7 +513,8 @@ def _bf16_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.T
     max_rows = kernels.max_rows(product)
     a = _unit_rows(a_MR)
     if product == "nn" and kernels.family == "avx512_bf16":
-        a = _rows_off_the_period(a, ends, max_rows)
+        # the copy is for the bands' experts: the pair blocks of larger ones ran 0.97-0.98x with it
+        a = _rows_off_the_period(a, ends, min(max_rows, _nn_band_rows(kernels.ops)))
     if product == "nt" and kernels.family == "amx" and a.stride(0) % 2:
         a = a.contiguous()  # AMX's nt reads a's rows as bfloat16 pairs: an odd row stride is copied first
     kernels.op(product)(a, b, ends, max_rows, out)

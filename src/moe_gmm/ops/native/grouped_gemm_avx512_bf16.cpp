@@ -28,6 +28,8 @@
 // operand bfloat16 with a contiguous last dimension, every reduced or output width a multiple of
 // 32; outputs caller-provided.
 //   avx512_bf16_gemm_supported()                               built with AVX-512 BF16
+//   avx512_bf16_nn_band_rows()                                 nn's experts of at most this many
+//                                                              rows take the bands
 //   avx512_bf16_gemm_nn(a[M,R], b[E,R,J], group_ends, max_rows, out[M,J])
 //                                                              out[rows_e] = a[rows_e] @ b[e]
 //   avx512_bf16_gemm_nt(a[M,R], b[E,J,R], group_ends, max_rows, out[M,J])
@@ -387,11 +389,6 @@ constexpr OuterFn outer_fn(int mr, int nv) {
 
 #endif  // MOE_GMM_AVX512_BF16
 
-// rows x cols bfloat16 zeros at out, rows ldo apart.
-inline void zero_rows(uint16_t* out, int64_t ldo, int64_t rows, int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r) std::memset(out + r * ldo, 0, cols * sizeof(uint16_t));
-}
-
 // One task per (expert, range of `step` output columns or rows) for experts of at most max_rows
 // rows (and, with keep_empty, empty ones); cost: the rows plus a constant for reading the range.
 void tasks_of(const std::vector<int64_t>& starts, int64_t width, int64_t step, bool keep_empty, int64_t max_rows,
@@ -405,6 +402,16 @@ void tasks_of(const std::vector<int64_t>& starts, int64_t width, int64_t step, b
       cost.push_back(double(rows + 8) * double(end - j));
     }
   }
+}
+
+// The most rows of an expert the nn bands take (the input copy for rows 4 KiB apart is theirs);
+// experts of more rows take the pair blocks.
+int64_t avx512_bf16_nn_band_rows() {
+#ifdef MOE_GMM_AVX512_BF16
+  return kPairBlockMinRows - 1;
+#else
+  return 0;
+#endif
 }
 
 bool avx512_bf16_gemm_supported() {
@@ -445,7 +452,8 @@ void avx512_bf16_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Ten
   moe_gmm_gemm::run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
     if (depth == 0) {  // an empty sum: neither the bands nor the blocks would write it
-      zero_rows(op + m0 * ldo + task.begin, ldo, rows, task.end - task.begin);
+      for (int64_t r = m0; r < m0 + rows; ++r)
+        moe_gmm_gemm::zero_bytes(op + r * ldo + task.begin, (task.end - task.begin) * 2, false);
       return;
     }
     // The last band or block prefetches the first of the next panel or expert, usually this
@@ -484,7 +492,8 @@ void avx512_bf16_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Ten
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
     const uint16_t* w = bp + task.expert * lde;
     if (depth == 0) {  // an empty sum: the blocks would not write it
-      zero_rows(op + m0 * ldo + task.begin, ldo, rows, task.end - task.begin);
+      for (int64_t r = m0; r < m0 + rows; ++r)
+        moe_gmm_gemm::zero_bytes(op + r * ldo + task.begin, (task.end - task.begin) * 2, false);
       return;
     }
     if (rows >= block_min_rows) {
@@ -569,6 +578,7 @@ void avx512_bf16_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(moe_gmm_native, m) {
   m.def("avx512_bf16_gemm_supported() -> bool", avx512_bf16_gemm_supported);
+  m.def("avx512_bf16_nn_band_rows() -> int", avx512_bf16_nn_band_rows);
   m.def("avx512_bf16_gemm_nn(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
   m.def("avx512_bf16_gemm_nt(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
   m.def("avx512_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
