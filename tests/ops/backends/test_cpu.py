@@ -624,8 +624,8 @@ def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512, monkeypatch,
 @example(counts=[33, 70, 0, 5, 40], k=300, n=100, max_rows=4096, transposed_weight=False, seed=2)
 @example(counts=[37, 31, 64], k=513, n=40, max_rows=4096, transposed_weight=True, seed=3)
 @example(counts=[130, 17, 0, 3], k=270, n=300, max_rows=4096, transposed_weight=False, seed=4)
-# nn's blocks of 8-31 rows requesting the next depth chunk, and past the last one the next task's
-# first, while they compute: three chunks, two tasks per expert (the second narrower), empty experts
+# nn's blocks requesting the next depth chunk, and past the last one the next task's first, while
+# they compute: three chunks, two tasks per expert (the second narrower), empty experts
 @example(counts=[9, 31, 0, 12, 0], k=600, n=1100, max_rows=64, transposed_weight=False, seed=5)
 # a reduction of 434 canceling to small outputs: one chain of 434 float32 sums was 4x less accurate
 # than the eager loop here

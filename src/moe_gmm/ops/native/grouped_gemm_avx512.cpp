@@ -20,8 +20,8 @@
 //       out[rows_e] = a[rows_e] @ b[e] for experts of 1..max_rows rows, others untouched. Under 32
 //       rows it streams the weight once in bands; from 8 rows on, 6 x 64 blocks of the output
 //       keep their sums in registers over 256 of the depth at a time, each 64-column strip of the
-//       weight prefetched while the one before it computes and, under 32 rows, the next 256 of
-//       the depth requested front to back. On Intel, past 16-32 rows
+//       weight prefetched while the one before it computes and the next 256 of the depth
+//       requested front to back. On Intel, past 16-32 rows
 //       MKL's AVX-512 code is faster; on AMD, where MKL runs generic code, the blocks are ahead
 //       of it at every size measured.
 //   avx512_gemm_nt_few_rows(a[M,R], b[E,J,R], group_ends, max_rows, out[M,J])
@@ -308,40 +308,33 @@ void blocks_down_rows(const float* x, int64_t ldx, int64_t rows, const float* w,
   }
 }
 
-// nn: the blocks of experts of fewer rows than this request the weight's next depth chunk across
-// the task's columns front to back while they compute (ReadAhead). E256 T512 forward (experts of
-// 6-31 rows), with and without it taking turns in one process, 12 rounds, five runs: gate_up
-// 1.13-1.24x, down 1.06-1.17x, bit-identical. From 64 rows on the blocks are bound by the
-// multiply-adds (0.95-1.02x). The same for nt's blocks of 16-31 rows, over the next task's weight
-// rows, ran 0.95-1.06x, so they do without.
-constexpr int64_t kReadAheadRows = 32;
-
 // out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:depth, 0:cols] for an expert of many rows: 6 x 64
 // blocks of the output, each over kNNDepthChunk of the depth with its 24 sums in registers (the
 // chunk's 64-column strip of the weight is read from L2 by every 6 rows after the first). Each
 // strip's blocks prefetch the next strip, or after the last one `following` (the next task's
-// first strip, laid out as w; nullptr: none). With `read_ahead`, each chunk's blocks also request
-// the next chunk (after the last one, `following`'s first) front to back, across the task's columns.
+// first strip, laid out as w; nullptr: none). Each chunk's blocks also request the next chunk (after
+// the last one, `following`'s first) across the task's columns front to back (ReadAhead). Against
+// the blocks without it, taking turns in one process (forward, bit-identical): E256 T512 (6-31
+// rows per expert) gate_up 1.13-1.24x, down 1.06-1.17x; E128 k2 T4096 and E64 k8 T512 (about 64
+// rows) 1.04-1.12x, about half of what weight rows one line longer gain there; E8 and skewed
+// 0.98-1.03x. The same over nt's transposed blocks (the next task's weight rows) ran 0.95-1.06x.
 void nn_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
-                  float* o, int64_t ldo, const float* following, bool read_ahead) {
+                  float* o, int64_t ldo, const float* following) {
   if (depth == 0)  // an empty sum: the blocks would write nothing
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
   const int64_t blocks = (rows + kRows - 1) / kRows, strips = (cols + kColumns - 1) / kColumns;
   for (int64_t k0 = 0; k0 < depth; k0 += kNNDepthChunk) {
     const int64_t chunk = std::min(kNNDepthChunk, depth - k0);
-    ReadAhead ahead;
-    if (read_ahead) {
-      const bool last = k0 + kNNDepthChunk >= depth;
-      const float* region = last ? following : w + (k0 + kNNDepthChunk) * ldw;
-      const int64_t region_rows = std::min(kNNDepthChunk, last ? depth : depth - k0 - kNNDepthChunk);
-      ahead = ReadAhead(region, region_rows, cols * sizeof(float), ldw * sizeof(float), blocks * chunk * strips);
-    }
+    const bool last = k0 + kNNDepthChunk >= depth;
+    ReadAhead ahead(last ? following : w + (k0 + kNNDepthChunk) * ldw,
+                    std::min(kNNDepthChunk, last ? depth : depth - k0 - kNNDepthChunk), cols * sizeof(float),
+                    ldw * sizeof(float), blocks * chunk * strips);
     for (int64_t j = 0; j < cols; j += kColumns) {
       const float* next = j + kColumns < cols           ? w + k0 * ldw + j + kColumns
                           : k0 + kNNDepthChunk < depth ? w + (k0 + kNNDepthChunk) * ldw
                                                        : following;
       blocks_down_rows(x + k0, ldx, rows, w + k0 * ldw + j, ldw, chunk, std::min<int64_t>(kColumns, cols - j), o + j,
-                       ldo, k0 > 0, next, ldw, read_ahead ? &ahead : nullptr);
+                       ldo, k0 > 0, next, ldw, &ahead);
     }
   }
 }
@@ -633,7 +626,7 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
     // The last band prefetches the first band of the next panel or expert, usually this thread's next task.
     const float* following = moe_gmm_gemm::following_panel(bp, task, width, lde, b_elements);
     if (rows >= kNNManyRows) {
-      nn_many_rows(ap + m0 * lda, lda, rows, w, ldb, depth, cols, o, ldo, following, rows < kReadAheadRows);
+      nn_many_rows(ap + m0 * lda, lda, rows, w, ldb, depth, cols, o, ldo, following);
       return;
     }
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
