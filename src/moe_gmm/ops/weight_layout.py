@@ -7,10 +7,12 @@ Padded rows. The grouped matmul's CPU kernels read a few-row expert's weight in 
 line of each row in turn. When rows lie a multiple of 1-4 KiB apart (a contiguous float32
 ``[E, K, N]`` with N = 512 or 1024), every line of a strip falls in the same few sets of the core's
 caches, which then hold a small part of what is read ahead. One cache line of padding per row
-spreads them out: on the benchmark machine the forward of 16-row float32 experts (E256, K1024 N512
+spreads them out. On the benchmark machine the forward of 16-row float32 experts (E256, K1024 N512
 and K256 N1024) ran 1.2-1.3x faster on the same values, and an E256 layer's forward 1.21x, fwd+bwd
-1.04-1.12x; bf16 gained nothing (``benchmarks/RESULTS.md``, AMD EPYC item 11, "Padded expert rows").
-Results are identical bit for bit.
+1.04-1.12x, until the forward kernels came to read the weight ahead in address order; since then
+padding gains 0.91-1.08x in the float32 forward and 1.04-1.19x in its grad_input. bf16 gained
+nothing (``benchmarks/RESULTS.md``, AMD EPYC items 11, "Padded expert rows", and 17). Results are
+identical bit for bit.
 
 Transposed storage. Hugging Face experts keep ``[E, out, in]`` weights (``nn.Linear``'s order),
 which reach the grouped matmul as ``[E, in, out]`` views with the reduction running along the
