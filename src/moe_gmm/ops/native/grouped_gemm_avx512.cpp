@@ -170,8 +170,6 @@ inline void copy_rows(const float* src, int64_t ld_src, int64_t rows, int64_t co
   for (int64_t m = 0; m < rows; ++m) std::memcpy(dst + m * ld_dst, src + m * ld_src, cols * sizeof(float));
 }
 
-// One task per (expert, range of `step` output columns or weight rows) for experts of 1..max_rows
-// rows; cost: the rows plus a constant for reading the range of the weight.
 // Requests a region of the weight in address order, a share of its lines at each step() of the work
 // before it: `rows` rows of `row_bytes` bytes, `stride` bytes apart, over `steps` steps, into L2.
 // The blocks read the weight in 64-column strips that touch each of its rows for a few lines at a
@@ -450,6 +448,8 @@ void nt_dots(const float* x, int64_t lda, int64_t rows, const float* w, int64_t 
   }
 }
 
+// One task per (expert, range of `step` output columns or weight rows) for experts of 1..max_rows
+// rows; cost: the rows plus a constant for reading the range of the weight.
 void few_rows_tasks(const std::vector<int64_t>& starts, int64_t max_rows, int64_t width, int64_t step,
                     std::vector<moe_gmm_gemm::Task>& tasks, std::vector<double>& cost) {
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(starts.size()); ++e) {
