@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -257,6 +258,26 @@ def test_a_failing_build_falls_back_to_the_torch_path(tmp_path):
     assert "AVAILABLE False" in done.stdout
     assert "failed" in done.stdout and "native CPU kernels unavailable" in done.stdout
     assert not list(tmp_path.glob("*.so")), "a failed build must not leave a library behind"
+
+
+@pytest.mark.skipif(
+    native.compiler() is None or platform.machine().lower() not in ("x86_64", "amd64"),
+    reason="needs a C++ compiler targeting x86-64",
+)
+def test_sources_compile_for_an_x86_cpu_without_avx512():
+    # The library is built with -march=native, which here may enable AVX-512 and hide code that
+    # only compiles with it; on a CPU without it (AVX2 only) the whole build would then fail and
+    # every native path fall back to torch. Each kernel must reduce to its fallbacks there.
+    flags = [flag for flag in native._flags() if flag != "-march=native"] + ["-march=x86-64-v3", "-fsyntax-only"]
+    runs = {
+        source.name: subprocess.Popen(
+            [native.compiler(), str(source), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for source in native.SOURCES
+    }
+    for name, run in runs.items():
+        _, err = run.communicate(timeout=600)
+        assert run.returncode == 0, f"{name} does not compile without AVX-512:\n{err[-3000:]}"
 
 
 def test_turned_off_by_environment(tmp_path):

@@ -556,6 +556,7 @@ void avx512_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
 }
 
 
+#ifdef MOE_GMM_AVX512
 // out[g][j] += sum_q x[g][q] * band[q][j] for G output rows (x's rows lda apart, kb <= 4 of them
 // used) and j < cols: each band vector is loaded once for the G rows. With `next`, the 4 rows
 // below the band (ldb floats apart) are prefetched as it goes.
@@ -590,6 +591,7 @@ inline void accumulate_wide_band(const __m512 (&w)[16], const float* x, int64_t 
     for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(x[g * lda + q]), w[q], acc[g]);
   for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(out + g * ldo, m, acc[g]);
 }
+#endif  // MOE_GMM_AVX512
 
 // out[rows_e, :] = a[rows_e] @ b[e] for experts of 1..max_rows rows (others untouched), b[E, R, J]
 // with J contiguous. For the few rows per expert of many-expert layers the product is bound by
