@@ -163,45 +163,13 @@ constexpr auto block_table(std::integer_sequence<int, I...>) {
 constexpr auto kBlocks = block_table<false>(std::make_integer_sequence<int, kRows>{});
 constexpr auto kStreamingBlocks = block_table<true>(std::make_integer_sequence<int, kRows>{});
 
+using moe_gmm_gemm::ReadAhead;
 using moe_gmm_gemm::run_tasks;
 
 // rows x cols floats of src (ld_src apart) to dst (ld_dst apart).
 inline void copy_rows(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float* dst, int64_t ld_dst) {
   for (int64_t m = 0; m < rows; ++m) std::memcpy(dst + m * ld_dst, src + m * ld_src, cols * sizeof(float));
 }
-
-// Requests a region of the weight in address order, a share of its lines at each step() of the work
-// before it: `rows` rows of `row_bytes` bytes, `stride` bytes apart, over `steps` steps, into L2.
-// The blocks read the weight in 64-column strips that touch each of its rows for a few lines at a
-// time, an order the hardware prefetchers do not follow and memory serves at about half the rate
-// of a front-to-back read (RESULTS, item 11); the region they read next, requested front to back
-// while they compute, is in the caches when they get to it. A prefetch never faults, so a region
-// that runs past the operand is harmless.
-class ReadAhead {
- public:
-  ReadAhead() = default;
-  ReadAhead(const void* base, int64_t rows, int64_t row_bytes, int64_t stride, int64_t steps)
-      : row_(static_cast<const char*>(base)), lines_per_row_((row_bytes + 63) / 64), rows_left_(rows), stride_(stride) {
-    const int64_t lines = rows * lines_per_row_;
-    // lines per step in sixteenths, rounded up so that the region is requested by the last step
-    per_step_16_ = base != nullptr && steps > 0 && lines > 0 ? (16 * lines + steps - 1) / steps : 0;
-    if (per_step_16_ == 0) rows_left_ = 0;
-  }
-  bool active() const { return rows_left_ > 0; }
-  // Inlined into the blocks' loops: a call there would spill their register sums.
-  __attribute__((always_inline)) void step() {
-    owed_16_ += per_step_16_;
-    while (owed_16_ >= 16 && rows_left_ > 0) {
-      _mm_prefetch(row_ + 64 * line_, _MM_HINT_T1);
-      if (++line_ == lines_per_row_) line_ = 0, row_ += stride_, --rows_left_;
-      owed_16_ -= 16;
-    }
-  }
-
- private:
-  const char* row_ = nullptr;
-  int64_t line_ = 0, lines_per_row_ = 0, rows_left_ = 0, stride_ = 0, per_step_16_ = 0, owed_16_ = 0;
-};
 
 // c[i, 0:16*NV] (+)= sum_m x[i*ldx + m] * w[m*ldw, 0:16*NV] for i < MR and m < depth (added to c's
 // values with `accumulate`); the last vector masked by tail. The MR x NV sums stay in registers;

@@ -1,6 +1,6 @@
 // Shared by the grouped GEMM kernels (grouped_gemm_amx.cpp, grouped_gemm_avx512_bf16.cpp,
 // grouped_gemm_avx512.cpp): the group bounds, the (expert, range) tasks and their split between
-// threads, and per-call state of a thread.
+// threads, per-call state of a thread, and the weight's read-ahead.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -125,6 +125,42 @@ inline std::vector<int64_t> cut_by_cost(const std::vector<double>& cost, int64_t
   }
   return cut;
 }
+
+#if defined(__AVX512F__)
+// Requests a region of the weight in address order, a share of its lines at each step() of the work
+// before it: `rows` rows of `row_bytes` bytes, `stride` bytes apart, over `steps` steps, into L2.
+// The blocks of the float32 and bfloat16 kernels read the weight in 64-column strips that touch
+// each of its rows for a few lines at a time, an order the hardware prefetchers do not follow and
+// memory serves at about half the rate of a front-to-back read (benchmarks/RESULTS.md, AMD EPYC
+// item 11); the region they read next, requested front to back while they compute, is in the
+// caches when they get to it. A prefetch never faults, so a region that runs past the operand is
+// harmless.
+class ReadAhead {
+ public:
+  ReadAhead() = default;
+  ReadAhead(const void* base, int64_t rows, int64_t row_bytes, int64_t stride, int64_t steps)
+      : row_(static_cast<const char*>(base)), lines_per_row_((row_bytes + 63) / 64), rows_left_(rows), stride_(stride) {
+    const int64_t lines = rows * lines_per_row_;
+    // lines per step in sixteenths, rounded up so that the region is requested by the last step
+    per_step_16_ = base != nullptr && steps > 0 && lines > 0 ? (16 * lines + steps - 1) / steps : 0;
+    if (per_step_16_ == 0) rows_left_ = 0;
+  }
+  bool active() const { return rows_left_ > 0; }
+  // Inlined into the blocks' loops: a call there would spill their register sums.
+  __attribute__((always_inline)) void step() {
+    owed_16_ += per_step_16_;
+    while (owed_16_ >= 16 && rows_left_ > 0) {
+      _mm_prefetch(row_ + 64 * line_, _MM_HINT_T1);
+      if (++line_ == lines_per_row_) line_ = 0, row_ += stride_, --rows_left_;
+      owed_16_ -= 16;
+    }
+  }
+
+ private:
+  const char* row_ = nullptr;
+  int64_t line_ = 0, lines_per_row_ = 0, rows_left_ = 0, stride_ = 0, per_step_16_ = 0, owed_16_ = 0;
+};
+#endif
 
 struct NoScope {};
 
