@@ -35,7 +35,7 @@ So each call picks a strategy (group sizes are read on the host: they live on th
   1.3-1.6x faster), and forward and grad_input for experts of up to ``AVX512_NN_MAX_ROWS`` /
   ``AVX512_NT_MAX_ROWS`` rows (``nn`` where the multiplied matrix has contiguous rows: the forward
   of an ``[E, K, N]`` weight; ``nt`` where it has contiguous columns). Few rows stream each weight
-  once; ``nn`` gives experts of 8 rows and more 6 x 64 register blocks, ``nt`` those of 16 and more
+  once; ``nn`` gives experts of 8 rows and more 6 x 64 register blocks, ``nt`` those of 24 and more
   the same blocks over the weight transposed 64 x 64 (under 128 rows) or 64 x 256 at a time in a
   thread's buffer, each block of the weight prefetched while the one before it computes: 1.8x and
   2.0x faster than MKL's generic code on AMD at 1024 rows.

@@ -26,8 +26,8 @@
 //       of it at every size measured.
 //   avx512_gemm_nt_few_rows(a[M,R], b[E,J,R], group_ends, max_rows, out[M,J])
 //       out[rows_e] = a[rows_e] @ b[e]^T for experts of 1..max_rows rows, others untouched: the
-//       grad_input of an [E, K, N] weight (b is the weight as stored). Under 16 rows it streams
-//       the weight once as 4 x 4 blocks of dot products; from 16 rows on, blocks of the weight
+//       grad_input of an [E, K, N] weight (b is the weight as stored). Under 24 rows it streams
+//       the weight once as 4 x 4 blocks of dot products; from 24 rows on, blocks of the weight
 //       transposed in a thread's buffer feed the nn blocks.
 // Each output element is one float32 sum over the expert's rows in order, computed by one task, so
 // results do not depend on the thread count.
@@ -90,9 +90,11 @@ constexpr int64_t kNNManyRows = 8;
 // transposed in L2 (the dot products the few-row nt had then summed each output through a permute
 // tree, and loaded every vector masked).
 // In one process, taking turns with the dot products alone (grad_input of [E, K, N], ms): E128 k2
-// T4096 gate_up 98.1 -> 51.9, down 48.5 -> 25.6; E64 the same; E256 T512 (16 rows each) gate_up
-// 27.7 -> 25.3 at 16, even at 32; 64 left E128's 64-row experts half on the dot products (78.9).
-constexpr int64_t kNTManyRows = 16;
+// T4096 gate_up 98.1 -> 51.9, down 48.5 -> 25.6; E64 the same; 64 left E128's 64-row experts half
+// on the dot products (78.9). Since the dot blocks load every vector unmasked, they are ahead below
+// 24 rows (E256, every expert the same rows, paired rounds, gate_up / down: 16 rows 1.26x / 1.40x
+// against the blocks, 20 rows 1.07x / 1.20x, 24-28 rows 0.96-1.07x; E256 k8 T512 routing 1.06-1.10x).
+constexpr int64_t kNTManyRows = 24;
 // nt: experts of fewer rows than this transpose the weight in blocks 64 deep, so that each block's 64
 // rows x 4 lines can be prefetched by the blocks before it. E256 T512 (16 rows) grad_input: gate_up
 // 24.7 -> 20.4 ms, down 12.6 -> 11.1; E128 k2 T4096 (64 rows) 53.0 -> 50.7; at 128 rows and more
