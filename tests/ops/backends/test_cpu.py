@@ -615,10 +615,10 @@ def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512, monkeypatch,
     transposed_weight=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-# widths past both panel sizes (512 and 1024 columns), with bands of 16 weight rows and without
+# widths past both task sizes (512 and 1024 columns), for experts of 1-3 rows too
 @example(counts=[3, 20, 0, 7], k=40, n=1100, max_rows=64, transposed_weight=False, seed=0)
 @example(counts=[1, 2], k=16, n=600, max_rows=16, transposed_weight=True, seed=1)
-# the register blocks for experts of 8 (nn) or 16 (nt, through its transposed weight blocks, 64 deep
+# the register blocks for every expert (nn) or those of 24 rows and more (nt, through its transposed weight blocks, 64 deep
 # under 128 rows and 256 deep from there) rows and more: row counts off the block's 6, widths off
 # its 64 columns and the transpose's 16, depths past one chunk of 64 or 256 and off it
 @example(counts=[33, 70, 0, 5, 40], k=300, n=100, max_rows=4096, transposed_weight=False, seed=2)
@@ -632,7 +632,7 @@ def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512, monkeypatch,
 @example(counts=[0, 0, 0, 15, 40], k=2, n=434, max_rows=64, transposed_weight=False, seed=19587)
 def test_avx512_few_rows_products_vs_float64_and_eager(avx512, counts, k, n, max_rows, transposed_weight, seed):
     # Both kernels on both passes: nn is the forward of [E, K, N] and the grad_input of [E, N, K],
-    # nt the other two. Depths not a multiple of 4 (nn's row step) or 16 (nt's vector), widths past
+    # nt the other two. Depths not a multiple of 16 (a vector) nor of 64 (nn's partial sums), widths past
     # one task, odd weight-row counts (nt's pairs), expert row counts past 8 (nt's group) and past
     # max_rows (one MKL GEMM each).
     with pytest.MonkeyPatch.context() as patch:
@@ -661,7 +661,7 @@ def test_avx512_few_rows_products_write_every_row_under_poison(avx512, poisoned_
 
 @pytest.mark.parametrize("k, n", [(0, 64), (64, 0)], ids=["no_depth_forward", "no_depth_grad_input"])
 def test_avx512_products_over_an_empty_depth_are_zero(avx512, poisoned_memory, k, n):
-    # Experts of few rows (the bands, the dot products) and of many (the register blocks) alike.
+    # Experts of few rows (the dot products) and of many (the register blocks) alike.
     counts = [40, 0, 20, 3]
     x, w, _ = gmm_inputs(counts, k, n)
     dy = torch.randn(x.shape[0], n)
@@ -672,7 +672,7 @@ def test_avx512_products_over_an_empty_depth_are_zero(avx512, poisoned_memory, k
 
 
 def test_avx512_register_blocks_do_not_depend_on_thread_count(avx512, monkeypatch):
-    # nn (forward of [E, K, N]) and nt (its grad_input) on experts of 8 or 16 rows and more
+    # nn (forward of [E, K, N]) on every expert's blocks, nt (its grad_input) on experts of 24 rows and more
     monkeypatch.setattr(cpu, "AVX512_NN_MAX_ROWS", 4096)
     monkeypatch.setattr(cpu, "AVX512_NT_MAX_ROWS", 4096)
     counts = [40, 0, 70, 3, 33, 130, 17]

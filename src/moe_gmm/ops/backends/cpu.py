@@ -35,7 +35,7 @@ So each call picks a strategy (group sizes are read on the host: they live on th
   1.3-1.6x faster), and forward and grad_input for experts of up to ``AVX512_NN_MAX_ROWS`` /
   ``AVX512_NT_MAX_ROWS`` rows (``nn`` where the multiplied matrix has contiguous rows: the forward
   of an ``[E, K, N]`` weight; ``nt`` where it has contiguous columns). Few rows stream each weight
-  once; ``nn`` gives experts of 8 rows and more 6 x 64 register blocks, ``nt`` those of 24 and more
+  once; ``nn`` gives every expert 6 x 64 register blocks, ``nt`` those of 24 rows and more
   the same blocks over the weight transposed 64 x 64 (under 128 rows) or 64 x 256 at a time in a
   thread's buffer, each block of the weight prefetched while the one before it computes: 1.8x and
   2.0x faster than MKL's generic code on AMD at 1024 rows.
@@ -203,8 +203,9 @@ AVX512_GRAD_WEIGHT_MAX_ROWS = 4096 if MKL_GENERIC_CODE else 128
 # 97.2/89.3/82.7/83.2; all rows ran E8 (1024 rows each) 1.4-1.5x slower. Since experts of 32 rows
 # and more take 6 x 64 register blocks instead of the bands, the kernel is ahead of MKL's generic
 # code at every expert size (limits 128/4096, forward ms: E8 k2 T4096 gate_up 83.7/47.0, down
-# 43.2/23.0; skewed gate_up 79.6/45.5, down 41.9/21.1; the rest even). The blocks now take experts
-# of 8 rows and more, so on Intel experts of 8-16 rows take them too (not measured there).
+# 43.2/23.0; skewed gate_up 79.6/45.5, down 41.9/21.1; the rest even). The blocks now take every
+# expert (since they read the weight's next chunk ahead, 1.05-1.9x faster than the bands at 1-7
+# rows on AMD), so on Intel experts of 1-16 rows take them too (not measured there).
 AVX512_NN_MAX_ROWS = 4096 if MKL_GENERIC_CODE else 16
 # The float32 grad_input of an [E, K, N] weight (and forward of an [E, N, K] one) for experts of few
 # rows (AVX-512, nt). Against one MKL GEMM per expert on a thread (Intel Xeon, ms MKL/kernel, E256): 4 rows

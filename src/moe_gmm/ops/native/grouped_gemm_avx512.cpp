@@ -17,11 +17,10 @@
 //       rows are left untouched for the caller (on Intel, past about 128 rows MKL is faster). From
 //       kTNPackRows rows on, the blocks read copies of a and b made contiguous per task.
 //   avx512_gemm_nn_few_rows(a[M,R], b[E,R,J], group_ends, max_rows, out[M,J])
-//       out[rows_e] = a[rows_e] @ b[e] for experts of 1..max_rows rows, others untouched. Under 32
-//       rows it streams the weight once in bands; from 8 rows on, 6 x 64 blocks of the output
-//       keep their sums in registers over 256 of the depth at a time, each 64-column strip of the
-//       weight prefetched while the one before it computes and the next 256 of the depth
-//       requested front to back. On Intel, past 16-32 rows
+//       out[rows_e] = a[rows_e] @ b[e] for experts of 1..max_rows rows, others untouched: 6 x 64
+//       blocks of the output keep their sums in registers over 256 of the depth at a time, each
+//       64-column strip of the weight prefetched while the one before it computes and the next 256
+//       of the depth requested front to back, so the weight is read once. On Intel, past 16-32 rows
 //       MKL's AVX-512 code is faster; on AMD, where MKL runs generic code, the blocks are ahead
 //       of it at every size measured.
 //   avx512_gemm_nt_few_rows(a[M,R], b[E,J,R], group_ends, max_rows, out[M,J])
@@ -77,15 +76,6 @@ constexpr int64_t kNNDepthChunk = 256;
 // 3-12%, 128 0-8%; in 61 random reductions of 1100 terms to 2 outputs, 8 and 10 came out more than
 // 1e-5 from MKL's loop, against 32 with one chain (and 4 with the dot products).
 constexpr int64_t kPartialDepth = 64;
-// nn: experts of this many rows or more take the 6 x 64 blocks instead of the weight bands (whose
-// passes over 4 output rows broadcast each input value again per column, as {1to16} operands: about
-// 215 GFLOP/s at 16-64 rows on 2 Zen 5 cores).
-// In one process, taking turns with the bands alone (forward, ms): E128 k2 T4096 gate_up 83.5 ->
-// 57.7, down 40.2 -> 29.0; E64 the same; 64 left E128's 64-row experts half on the bands (69.7 ms).
-// E256 T512 (6-31 rows each): 0.84x at 16 until the blocks prefetched the weight's next strip, then
-// 1.06-1.14x (gate_up 18.97 -> 16.67, down 9.42 -> 8.90); 8 against 16, in separate processes
-// taking turns: 1.03x more (the 4-row E256 T128 0.98-0.99x, skewed even).
-constexpr int64_t kNNManyRows = 8;
 // nt: experts of this many rows or more take the nn blocks over 64 x 256 blocks of the weight
 // transposed in L2 (the dot products the few-row nt had then summed each output through a permute
 // tree, and loaded every vector masked).
@@ -529,117 +519,40 @@ void avx512_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
 }
 
 
-#ifdef MOE_GMM_AVX512
-// out[g][j] += sum_q x[g][q] * band[q][j] for G output rows (x's rows lda apart, kb <= 4 of them
-// used) and j < cols: each band vector is loaded once for the G rows. With `next`, the 4 rows
-// below the band (ldb floats apart) are prefetched as it goes.
-template <int G>
-inline void accumulate_band(const float* x, int64_t lda, int64_t kb, const std::array<const float*, 4>& band,
-                            const float* next, int64_t ldb, float* out, int64_t ldo, int64_t cols) {
-  __m512 xv[G][4];
-  for (int g = 0; g < G; ++g)
-    for (int q = 0; q < 4; ++q) xv[g][q] = _mm512_set1_ps(q < kb ? x[g * lda + q] : 0.f);
-  for (int64_t j = 0; j < cols; j += kLanes) {
-    if (next != nullptr)
-      for (int q = 0; q < 4; ++q) _mm_prefetch(reinterpret_cast<const char*>(next + q * ldb + j), _MM_HINT_T0);
-    const __mmask16 m = tail_mask(cols - j);
-    __m512 wv[4];
-    for (int q = 0; q < 4; ++q) wv[q] = _mm512_maskz_loadu_ps(m, band[q] + j);
-    for (int g = 0; g < G; ++g) {
-      __m512 acc = _mm512_maskz_loadu_ps(m, out + g * ldo + j);
-      for (int q = 0; q < 4; ++q) acc = _mm512_fmadd_ps(xv[g][q], wv[q], acc);
-      _mm512_mask_storeu_ps(out + g * ldo + j, m, acc);
-    }
-  }
-}
-
-// out[g][0:16] += sum_q x[g][q] * w[q] for G output rows (x's rows lda apart) and the 16 band rows
-// held in w: each accumulator is loaded and stored once per 16 multiply-adds.
-template <int G>
-inline void accumulate_wide_band(const __m512 (&w)[16], const float* x, int64_t lda, float* out, int64_t ldo,
-                                 __mmask16 m) {
-  __m512 acc[G];
-  for (int g = 0; g < G; ++g) acc[g] = _mm512_maskz_loadu_ps(m, out + g * ldo);
-  for (int q = 0; q < 16; ++q)
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(x[g * lda + q]), w[q], acc[g]);
-  for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(out + g * ldo, m, acc[g]);
-}
-#endif  // MOE_GMM_AVX512
-
 // out[rows_e, :] = a[rows_e] @ b[e] for experts of 1..max_rows rows (others untouched), b[E, R, J]
-// with J contiguous. For the few rows per expert of many-expert layers the product is bound by
-// reading b once: each task streams bands of 16 rows of its expert's weight, front to back, with
-// the next band prefetched, and accumulates into its output rows, which stay in L1, 4 output rows
-// per pass over a band (each band vector loaded once for the 4). One output row per pass and no
-// prefetch ran 1.2-1.45x slower (E256, K1024 N512: 16 rows 52 against 39.5 ms, 4 rows 28.6
-// against 21.8; the 16-row case was bound by the loads, 5 per 4 multiply-adds). Experts of
-// kNNManyRows rows and more are bound by the multiply-adds instead: nn_many_rows.
+// with J contiguous: every expert through the 6 x 64 blocks of nn_many_rows, which read the weight
+// once and request its next chunk front to back while they compute.
+//
+// Experts of 1-7 rows used to stream the weight in bands of 16 rows instead (each band prefetched
+// into L1 a band ahead, its vectors multiplied into the expert's output rows in L1). With the
+// blocks' read-ahead the blocks were faster at every row count (E256, paired rounds in one process,
+// gate_up / down forward): 1 row 1.23x / 1.05x, 2-3 rows 1.10-1.28x, 4 rows 1.89x / 1.58x, 6 rows
+// 1.74x / 1.44x; the E256 k8 T128 routing (0-10 rows) 1.26-1.51x; with the weight in cache (one
+// expert's weight shared by all) 2.8-3.1x. The bands' prefetches into L1 kept few lines in flight
+// per core: one thread streamed 9-11 GB/s through them where a sequential sum read 26.
 void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
                              at::Tensor& out) {
   const int64_t depth = b.size(1), width = b.size(2);
   const std::vector<int64_t> starts = check_few_rows("avx512_gemm_nn_few_rows", a, b, group_ends, out, depth, width);
 #ifdef MOE_GMM_AVX512
-  constexpr int64_t kStreamColumns = 512, kStreamRows = 4, kWideRows = 16;
-  constexpr int kGroup = 4;  // output rows per pass over a band
+  constexpr int64_t kTaskColumns = 512;
   const float* ap = a.const_data_ptr<float>();
   const float* bp = b.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
   std::vector<moe_gmm_gemm::Task> tasks;
   std::vector<double> cost;
-  // Panels of 1024 columns while the experts taken have at most 32 rows (their output rows, the
-  // sums, within 128 KiB): a band then covers whole rows of a 1024-wide weight, one stream instead
-  // of 16 half rows 4 KiB apart (E256 with 4 rows, K256 N1024: 6.1 against 6.6 ms; with 64-row
-  // experts 1024 ran 1-2% slower).
-  const int64_t step = moe_gmm_gemm::largest_group(starts, max_rows) <= 32 ? 2 * kStreamColumns : kStreamColumns;
+  // Tasks of 1024 columns while the experts taken have at most 32 rows (with 64-row experts 1024
+  // ran 1-2% slower).
+  const int64_t step = moe_gmm_gemm::largest_group(starts, max_rows) <= 32 ? 2 * kTaskColumns : kTaskColumns;
   few_rows_tasks(starts, max_rows, width, step, tasks, cost);
   const int64_t b_elements = b.size(0) * lde;
   run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const moe_gmm_gemm::Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0, cols = task.end - task.begin;
-    const float* w = bp + task.expert * lde + task.begin;
-    float* o = op + m0 * ldo + task.begin;
-    // The last band prefetches the first band of the next panel or expert, usually this thread's next task.
+    // the next panel or expert, usually this thread's next task: read ahead by the last chunk's blocks
     const float* following = moe_gmm_gemm::following_panel(bp, task, width, lde, b_elements);
-    if (rows >= kNNManyRows) {
-      nn_many_rows(ap + m0 * lda, lda, rows, w, ldb, depth, cols, o, ldo, following);
-      return;
-    }
-    for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
-    int64_t k = 0;
-    for (; k + kWideRows <= depth; k += kWideRows) {
-      const float* band = w + k * ldb;
-      const bool last = k + 2 * kWideRows > depth;
-      const float* ahead = !last ? band + kWideRows * ldb : (k + kWideRows == depth ? following : nullptr);
-      for (int64_t j = 0; j < cols; j += kLanes) {
-        // the next band's lines, a band ahead (the weight is read once: nothing else brings them in)
-        if (ahead != nullptr)
-          for (int q = 0; q < kWideRows; ++q)
-            _mm_prefetch(reinterpret_cast<const char*>(ahead + q * ldb + j), _MM_HINT_T0);
-        const __mmask16 m = tail_mask(cols - j);
-        __m512 wv[kWideRows];
-        for (int q = 0; q < kWideRows; ++q) wv[q] = _mm512_maskz_loadu_ps(m, band + q * ldb + j);
-        const float* x = ap + m0 * lda + k;
-        int64_t r = 0;
-        for (; r + kGroup <= rows; r += kGroup)
-          accumulate_wide_band<kGroup>(wv, x + r * lda, lda, o + r * ldo + j, ldo, m);
-        for (; r < rows; ++r) accumulate_wide_band<1>(wv, x + r * lda, lda, o + r * ldo + j, ldo, m);
-      }
-    }
-    for (; k < depth; k += kStreamRows) {
-      const int64_t kb = std::min(kStreamRows, depth - k);
-      const float* w0 = w + k * ldb;
-      const std::array<const float*, kStreamRows> band = {w0, kb > 1 ? w0 + ldb : w0, kb > 2 ? w0 + 2 * ldb : w0,
-                                                          kb > 3 ? w0 + 3 * ldb : w0};
-      // the next band, requested while this one is read (as the weight is read once, nothing else
-      // would bring it in ahead of the loads)
-      const float* next = k + kStreamRows < depth ? w0 + kStreamRows * ldb : nullptr;
-      const float* x = ap + m0 * lda + k;
-      int64_t r = 0;
-      for (; r + kGroup <= rows; r += kGroup)
-        accumulate_band<kGroup>(x + r * lda, lda, kb, band, r == 0 ? next : nullptr, ldb, o + r * ldo, ldo, cols);
-      for (; r < rows; ++r)
-        accumulate_band<1>(x + r * lda, lda, kb, band, r == 0 ? next : nullptr, ldb, o + r * ldo, ldo, cols);
-    }
+    nn_many_rows(ap + m0 * lda, lda, rows, bp + task.expert * lde + task.begin, ldb, depth, cols, op + m0 * ldo + task.begin,
+                 ldo, following);
   });
 #endif
 }
