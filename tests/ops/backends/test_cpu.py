@@ -352,15 +352,15 @@ def test_avx512_bf16_nn_copies_inputs_whose_rows_are_4_kib_apart(bf16_family, po
 def test_avx512_bf16_nn_copies_inputs_for_the_bands_experts_only(bf16_family, monkeypatch):
     if bf16_family != "avx512_bf16":
         pytest.skip("the copy is the AVX-512 BF16 nn kernel's")
-    # experts of 32 rows or more take the pair blocks, which the copy slows: it counts the bands' only
-    assert native.ops().avx512_bf16_nn_band_rows() == 31
+    # experts of 8 rows or more take the pair blocks, which the copy slows: it counts the bands' only
+    assert native.ops().avx512_bf16_nn_band_rows() == 7
     counts = [40, 3, 36]
     x, w, _ = gmm_inputs(counts, 2048, 64, torch.bfloat16)  # x's rows 4 KiB apart
     ends = torch.tensor(counts).cumsum(0)
     limits, copy = [], cpu._rows_off_the_period
     monkeypatch.setattr(cpu, "_rows_off_the_period", lambda a, e, rows: limits.append(rows) or copy(a, e, rows))
     out = cpu.forward(x, w, ends)
-    assert limits == [31] and copy(x, ends, 31) is x
+    assert limits == [7] and copy(x, ends, 7) is x
     ref = torch.cat([xe.double() @ we.double() for xe, we in zip(x.split(counts), w)])
     assert_rel_close(out, ref, tolerance_for(torch.bfloat16).rel, "nn product")
 
@@ -368,16 +368,16 @@ def test_avx512_bf16_nn_copies_inputs_for_the_bands_experts_only(bf16_family, mo
 def test_avx512_bf16_nn_blocks_sum_in_the_bands_order(bf16_family):
     if bf16_family != "avx512_bf16":
         pytest.skip("the blocks and bands are the AVX-512 BF16 nn kernel's")
-    # Experts of 32 rows or more take the 6 x 64 blocks over a packed weight, fewer the bands; both
+    # Experts of 8 rows or more take the 6 x 64 blocks over a packed weight, fewer the bands; both
     # add the depth's pairs in order into float32 sums, so 40 rows as one expert give the bits of
-    # the same rows as two experts of 20 with the same weight. Depth and width past one packed
-    # chunk (256) and one task (256 columns), the last strip 32 wide; rows past 6-row blocks.
+    # the same rows as experts of 7 and 5 rows with the same weight. Depth and width past one
+    # packed chunk (256) and one task (256 columns), the last strip 32 wide; rows past 6-row blocks.
     k, n = 288, 544
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(40, k, generator=generator).to(torch.bfloat16)
     w = (torch.randn(1, k, n, generator=generator) / k**0.5).to(torch.bfloat16)
     whole = cpu.forward(x, w, torch.tensor([40]))
-    split = cpu.forward(x, w.repeat(2, 1, 1), torch.tensor([20, 40]))
+    split = cpu.forward(x, w.repeat(6, 1, 1), torch.tensor([7, 14, 21, 28, 35, 40]))
     assert torch.equal(whole, split)
     assert_rel_close(whole, x.double() @ w[0].double(), tolerance_for(torch.bfloat16).rel, "nn blocks")
 

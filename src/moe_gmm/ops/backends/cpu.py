@@ -169,9 +169,10 @@ USE_AVX512_BF16 = True
 # least half of them. Forward, copy included, against the input as given (taking turns in one
 # process, 10 rounds; bit-identical): E64 k8 T512 H2048 gate_up 1.04-1.19x, E256 H2048 T512-T4096
 # 1.09-1.26x, skewed 1.06x; E8 (experts of 512+ rows, on oneDNN) 0.97-0.99x, hence the half. Since
-# experts of 32 rows or more take the pair blocks (their input read 6 rows at a time), only the
+# experts of 32 rows or more took the pair blocks (their input read 6 rows at a time), only the
 # bands' experts count: with the blocks the copy ran E256 H2048 T512 (16 rows) 1.14x, T2048 and
-# T4096 (64 and 128 rows) 0.97-0.98x, E64 T512 H2048 0.97x.
+# T4096 (64 and 128 rows) 0.97-0.98x, E64 T512 H2048 0.97x. The blocks now take experts of 8 rows
+# and more, so the copy serves experts of up to 7 rows.
 BF16_NN_INPUT_ROW_PERIOD = 4096
 AVX512_BF16_NN_MAX_ROWS = 256
 AVX512_BF16_NT_MAX_ROWS = 256

@@ -15,7 +15,8 @@
 //       bands.
 //   nt: the weight's rows already hold the reduced dimension contiguously: each output value is a
 //       dot product of an input row and a weight row, 4 input rows by 4 weight rows at a time.
-//   nn and nt for experts of kPairBlockMinRows rows or more: each 64 columns x 256 of the depth of
+//   nn for experts of kNNPairBlockMinRows rows or more, nt for those of kPairBlockMinRows or more:
+//       each 64 columns x 256 of the depth of
 //       the weight is laid out in pairs in a thread's buffer once (nn: its rows interleaved, nt:
 //       its 32-bit pairs transposed), and 6 x 64 blocks of the output pass over it from L1, the
 //       input's pairs broadcast, 24 sums in registers.
@@ -138,24 +139,9 @@ inline void band_rows(const __m512i (&w)[2 * kBandPairs], const uint16_t* x, int
   }
 }
 
-// p + elements, computed where it is used: GCC otherwise hoists all 16 row offsets of a band out of
-// the loops, keeps them on the stack and passes the band's rows through the stack before
-// interleaving them.
-inline const uint16_t* next_row(const uint16_t* p, int64_t elements) {
-  asm("" : "+r"(p));
-  return p + elements;
-}
-
-// Experts of kRowPointerMinRows..kRowPointerMaxRows rows load the band's rows through next_row.
-// On one thread: from L2 1.1-1.3x faster at 4-16 rows (K256 N1024); streaming the weights of E256
-// from memory 1.04-1.06x at 16 rows. Streaming, the plain offsets stayed ahead at 4 rows (K1024
-// N512, 1.08-1.10x) and at 64 (E128, K = N = 1024, 1.03-1.09x).
-constexpr int64_t kRowPointerMinRows = 8, kRowPointerMaxRows = 31;
-
 // out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:depth, 0:cols] for one expert's rows and one
 // panel of its weight (rows * cols <= kScratchFloats); the last band prefetches `following`'s
 // first band (ldw apart, as w's).
-template <bool kRowPointer>
 void nn_panel(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w, int64_t ldw, int64_t depth,
               int64_t cols, uint16_t* out, int64_t ldo, const uint16_t* following) {
   thread_local std::vector<float> scratch(kScratchFloats);
@@ -170,16 +156,9 @@ void nn_panel(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w, i
         for (int q = 0; q < 2 * kBandPairs; ++q)
           _mm_prefetch(reinterpret_cast<const char*>(ahead + q * ldw + c), _MM_HINT_T0);
       __m512i pairs[2 * kBandPairs];
-      const uint16_t* row = band + c;
       for (int p = 0; p < kBandPairs; ++p) {
-        __m512i r0, r1;
-        if constexpr (kRowPointer) {
-          r0 = _mm512_loadu_si512(row), r1 = _mm512_loadu_si512(row + ldw);
-          asm("" : "+v"(r0), "+v"(r1));  // one load each, not one per unpack
-          row = next_row(row, 2 * ldw);
-        } else {
-          r0 = _mm512_loadu_si512(band + 2 * p * ldw + c), r1 = _mm512_loadu_si512(band + (2 * p + 1) * ldw + c);
-        }
+        const __m512i r0 = _mm512_loadu_si512(band + 2 * p * ldw + c),
+                      r1 = _mm512_loadu_si512(band + (2 * p + 1) * ldw + c);
         pairs[2 * p] = _mm512_unpacklo_epi16(r0, r1);
         pairs[2 * p + 1] = _mm512_unpackhi_epi16(r0, r1);
       }
@@ -209,7 +188,14 @@ void nn_panel(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w, i
 // T4096 (64 rows each) gate_up 1.08x / 1.15x, down 1.02x / 1.06x; E64 k8 T512 H2048 gate_up 1.11x /
 // 1.14x, down 1.14x / 1.36x; skewed 0.99-1.05x / 1.04-1.08x; at 16 rows (E256 T512) 0.77-0.93x.
 constexpr int64_t kPairBlockMinRows = 32;
-static_assert(kScratchFloats / (kPairBlockMinRows - 1) >= 32, "the bands' sums fit the scratch in one panel");
+// nn: experts of this many rows or more take the pair blocks. Since the blocks read the next chunk
+// ahead (chunk by chunk, below), they are ahead of the bands from 8 rows (forward, E256, paired
+// rounds in one process, gate_up / down: 8 rows 1.38x / 1.41x, 12 rows 1.28x / 1.25x, 16 rows
+// 1.19x / 1.28x; the k8 T512 routing 1.36x / 1.23x, T128 1.09x / 1.01x; at 4-6 rows even or
+// slower for down: 0.96-0.99x). nt keeps its dot products below kPairBlockMinRows: its blocks ran
+// 0.67-0.78x at 8 rows, 0.71-0.73x at 16, 0.92-0.96x at 24.
+constexpr int64_t kNNPairBlockMinRows = 8;
+static_assert(kScratchFloats / (kNNPairBlockMinRows - 1) >= 32, "the bands' sums fit the scratch in one panel");
 constexpr int kBlockRows = 6;             // 6 x 4 accumulators + 4 weight vectors + 1 broadcast
 constexpr int64_t kBlockColumns = 64;
 constexpr int64_t kBlockDepth = 256;      // the depth of a packed chunk: 128 pairs x 64 columns, 32 KiB
@@ -456,7 +442,7 @@ void tasks_of(const std::vector<int64_t>& starts, int64_t width, int64_t step, b
 // experts of more rows take the pair blocks.
 int64_t avx512_bf16_nn_band_rows() {
 #ifdef MOE_GMM_AVX512_BF16
-  return kPairBlockMinRows - 1;
+  return kNNPairBlockMinRows - 1;
 #else
   return 0;
 #endif
@@ -487,15 +473,15 @@ void avx512_bf16_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const uint16_t *ap = bf16_bits(a), *bp = bf16_bits(b);
   uint16_t* op = bf16_bits(out);
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
-  // The bands take the experts of fewer than kPairBlockMinRows rows, in the widest panels (a
+  // The bands take the experts of fewer than kNNPairBlockMinRows rows, in the widest panels (a
   // multiple of 32 columns) whose float32 sums fit the scratch; the pair blocks the others.
-  const int64_t band_max_rows = std::min(max_rows, kPairBlockMinRows - 1);
+  const int64_t band_max_rows = std::min(max_rows, kNNPairBlockMinRows - 1);
   const int64_t largest = std::max<int64_t>(1, moe_gmm_gemm::largest_group(starts, band_max_rows));
   const int64_t step = std::min(kNNColumns, kScratchFloats / largest / 32 * 32);
   std::vector<Task> tasks;
   std::vector<double> cost;
   tasks_of(starts, width, step, false, band_max_rows, tasks, cost);
-  tasks_of(starts, width, kBlockTaskColumns, false, max_rows, tasks, cost, kPairBlockMinRows);
+  tasks_of(starts, width, kBlockTaskColumns, false, max_rows, tasks, cost, kNNPairBlockMinRows);
   const int64_t b_elements = b.size(0) * lde;
   moe_gmm_gemm::run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
@@ -509,13 +495,10 @@ void avx512_bf16_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Ten
     const uint16_t* following = moe_gmm_gemm::following_panel(bp, task, width, lde, b_elements);
     const uint16_t* w = bp + task.expert * lde + task.begin;
     uint16_t* o = op + m0 * ldo + task.begin;
-    if (rows >= kPairBlockMinRows) {
+    if (rows >= kNNPairBlockMinRows)
       nn_pair_blocks(ap + m0 * lda, lda, rows, w, ldb, depth, task.end - task.begin, o, ldo, following);
-    } else {
-      const bool row_pointer = rows >= kRowPointerMinRows && rows <= kRowPointerMaxRows;
-      (row_pointer ? &nn_panel<true> : &nn_panel<false>)(ap + m0 * lda, lda, rows, w, ldb, depth,
-                                                         task.end - task.begin, o, ldo, following);
-    }
+    else
+      nn_panel(ap + m0 * lda, lda, rows, w, ldb, depth, task.end - task.begin, o, ldo, following);
   });
 #endif
 }
