@@ -173,9 +173,11 @@ inline void copy_rows(const float* src, int64_t ld_src, int64_t rows, int64_t co
 // depth drifts from the exact sum (434 terms canceling to small outputs: 2.5e-5 absolute where
 // MKL's blocked sums stay at 5.8e-6; partial sums of 64: 6.7e-6, of 128: 1.9e-5).
 //
-// With PfLines > 0, lines pf + d * ldp + 16 * v for v < PfLines are prefetched at depth d: a share of
-// the next block of the weight, requested while this one computes. With `ahead`, its region is
-// requested a step per depth too.
+// With PfLines > 0, lines pf + d * ldp + 16 * v for v < PfLines are prefetched into L2 at depth d: a
+// share of the next block of the weight, requested while this one computes (into L1, E256 forward
+// ran 1.05-1.30x slower at 2-4 rows per expert and on the k8 T128 routing, grad_input 1.05-1.16x at
+// 32-64 rows; even at T512 and E8; paired rounds). With `ahead`, its region is requested a step per
+// depth too.
 template <int MR, int NV, int PfLines>
 void nn_block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* c, int64_t ldc, int64_t depth,
               __mmask16 tail, bool accumulate, const float* pf, int64_t ldp, ReadAhead* ahead) {
@@ -194,7 +196,7 @@ void nn_block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* c
       if (reads_ahead) reader.step();
 #pragma GCC unroll 4
       for (int v = 0; v < PfLines; ++v)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + d * ldp + kLanes * v), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(pf + d * ldp + kLanes * v), _MM_HINT_T1);
       __m512 wv[NV];
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v)
