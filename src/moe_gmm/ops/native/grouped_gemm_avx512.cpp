@@ -271,7 +271,7 @@ void blocks_down_rows(const float* x, int64_t ldx, int64_t rows, const float* w,
   }
 }
 
-// out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:depth, 0:cols] for an expert of many rows: 6 x 64
+// out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:depth, 0:cols] for one expert: 6 x 64
 // blocks of the output, each over kNNDepthChunk of the depth with its 24 sums in registers (the
 // chunk's 64-column strip of the weight is read from L2 by every 6 rows after the first). Each
 // strip's blocks prefetch the next strip, or after the last one `following` (the next task's
@@ -281,7 +281,7 @@ void blocks_down_rows(const float* x, int64_t ldx, int64_t rows, const float* w,
 // rows per expert) gate_up 1.13-1.24x, down 1.06-1.17x; E128 k2 T4096 and E64 k8 T512 (about 64
 // rows) 1.04-1.12x, about half of what weight rows one line longer gain there; E8 and skewed
 // 0.98-1.03x. The same over nt's transposed blocks (the next task's weight rows) ran 0.95-1.06x.
-void nn_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
+void nn_blocks(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
                   float* o, int64_t ldo, const float* following) {
   if (depth == 0)  // an empty sum: the blocks would write nothing
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
@@ -524,7 +524,7 @@ void avx512_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
 
 
 // out[rows_e, :] = a[rows_e] @ b[e] for experts of 1..max_rows rows (others untouched), b[E, R, J]
-// with J contiguous: every expert through the 6 x 64 blocks of nn_many_rows, which read the weight
+// with J contiguous: every expert through the 6 x 64 blocks of nn_blocks, which read the weight
 // once and request its next chunk front to back while they compute.
 //
 // Experts of 1-7 rows used to stream the weight in bands of 16 rows instead (each band prefetched
@@ -555,8 +555,8 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0, cols = task.end - task.begin;
     // the next panel or expert, usually this thread's next task: read ahead by the last chunk's blocks
     const float* following = moe_gmm_gemm::following_panel(bp, task, width, lde, b_elements);
-    nn_many_rows(ap + m0 * lda, lda, rows, bp + task.expert * lde + task.begin, ldb, depth, cols, op + m0 * ldo + task.begin,
-                 ldo, following);
+    nn_blocks(ap + m0 * lda, lda, rows, bp + task.expert * lde + task.begin, ldb, depth, cols,
+              op + m0 * ldo + task.begin, ldo, following);
   });
 #endif
 }
