@@ -396,18 +396,28 @@ constexpr DotFn kDots[kDotRows] = {&dot_rows<1>, &dot_rows<2>, &dot_rows<3>, &do
 template <int MR, int NV, bool Streaming>
 void outer_block(const uint32_t* a_t, int64_t lda, const uint16_t* b, int64_t ldb, int64_t pairs, uint16_t* out,
                  int64_t ldo) {
+  // Every loop over the block unrolled: otherwise GCC keeps acc on the stack around the loop over
+  // the pairs, and at 2-8 pairs (experts of 4-16 rows) storing and reloading the 24 sums took longer
+  // than the multiply-adds; those stack stores also queue behind the gradient's streaming stores.
   __m512 acc[MR][NV];
+#pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512i bv[NV];
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_si512(b + p * ldb + 32 * v);
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m512bh av = as_pairs(_mm512_set1_epi32(int32_t(a_t[p * lda + i])));
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], as_pairs(bv[v]), av);
     }
   }
+#pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; v += 2) store_row_bits<Streaming>(out + i * ldo + 16 * v, round_to_bf16(acc[i][v], acc[i][v + 1]));
 }
 

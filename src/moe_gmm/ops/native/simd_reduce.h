@@ -31,15 +31,19 @@ constexpr FoldIndex fold_index(int segment) {
 }
 
 template <int Segment>
-inline __m512 fold(__m512 a, __m512 b) {
+__attribute__((always_inline)) inline __m512 fold(__m512 a, __m512 b) {
   static constexpr FoldIndex kIndex = fold_index(Segment);
   const __m512i lo = _mm512_load_si512(kIndex.low), hi = _mm512_load_si512(kIndex.high);
   return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
 }
 
-inline __m512 sum_lanes_of_16(__m512 (&v)[16]) {
+// Inlined: as a call, the 16 vectors would go through memory (the caller's sums stored and reloaded).
+__attribute__((always_inline)) inline __m512 sum_lanes_of_16(__m512 (&v)[16]) {
+#pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) v[i] = fold<16>(v[2 * i], v[2 * i + 1]);
+#pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) v[i] = fold<8>(v[2 * i], v[2 * i + 1]);
+#pragma GCC unroll 2
   for (int i = 0; i < 2; ++i) v[i] = fold<4>(v[2 * i], v[2 * i + 1]);
   return fold<2>(v[0], v[1]);
 }
