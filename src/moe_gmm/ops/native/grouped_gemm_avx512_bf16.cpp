@@ -17,9 +17,9 @@
 //       dot product of an input row and a weight row, 4 input rows by 4 weight rows at a time.
 //   nn for experts of kNNPairBlockMinRows rows or more, nt for those of kPairBlockMinRows or more:
 //       each 64 columns x 256 of the depth of
-//       the weight is laid out in pairs in a thread's buffer once (nn: its rows interleaved, nt:
-//       its 32-bit pairs transposed), and 6 x 64 blocks of the output pass over it from L1, the
-//       input's pairs broadcast, 24 sums in registers.
+//       the weight is laid out in pairs in a thread's buffer once (nn: its rows interleaved by the
+//       first block as it computes, nt: its 32-bit pairs transposed), and 6 x 64 blocks of the
+//       output pass over it from L1, the input's pairs broadcast, 24 sums in registers.
 //   tn: the expert's rows of b are interleaved in pairs once (the expert's few rows fit in L2)
 //       and every 6 x 64 block of the weight gradient is one pass over them, a's pairs broadcast;
 //       the gradient, the largest stream of the call, is written with streaming stores.
@@ -214,20 +214,24 @@ inline __m512bh broadcast_pair(const uint16_t* p) {
 }
 
 // sums[i][0:16*NV] (+)= sum_p x[i][2p, 2p + 1] . packed[p][0:16*NV] for i < MR, p < pairs (x's rows
-// lda apart, packed's pairs 2 * kBlockColumns values apart). With `out`, the sums are rounded to
-// bfloat16 into out (ldo apart) instead of stored. Prefetches lines pf_first.. of `pf`, one per pair
-// (line L: row L >> pf_shift, line L & ((1 << pf_shift) - 1) of that row, rows ldp apart), and
-// steps `ahead` (nullptr: none) once per pair.
-template <int MR, int NV>
-void pair_block(const uint16_t* x, int64_t lda, const uint16_t* packed, int64_t pairs, float* sums, int64_t lds,
-                bool first, uint16_t* out, int64_t ldo, const uint16_t* pf, int64_t ldp, int pf_shift, int64_t pf_first,
-                int pf_count, ReadAhead* ahead) {
+// lda apart, packed's pairs 2 * kBlockColumns values apart). With Packs, the pairs are made from
+// w's rows (2p and 2p + 1, ldw apart; 16 * NV columns) as they are needed and written to packed for
+// the blocks after: the weight's loads mix with this block's multiply-adds instead of a pass of
+// their own. With `out`, the sums are rounded to bfloat16 into out (ldo apart) instead of stored.
+// Prefetches lines pf_first.. of `pf`, one per pair (line L: row L >> pf_shift, line
+// L & ((1 << pf_shift) - 1) of that row, rows ldp apart), and steps `ahead` (nullptr: none) once
+// per pair.
+template <int MR, int NV, bool Packs>
+void pair_block(const uint16_t* x, int64_t lda, uint16_t* packed, const uint16_t* w, int64_t ldw, int64_t pairs,
+                float* sums, int64_t lds, bool first, uint16_t* out, int64_t ldo, const uint16_t* pf, int64_t ldp,
+                int pf_shift, int64_t pf_first, int pf_count, ReadAhead* ahead) {
   // a copy in registers: through the pointer, every step would store and reload it
   ReadAhead reader = ahead != nullptr ? *ahead : ReadAhead();
   const bool reads_ahead = reader.active();
   __m512 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * lds + 16 * v);
+  const moe_gmm_simd::PairIndex index = Packs ? moe_gmm_simd::pair_index() : moe_gmm_simd::PairIndex{};
   const int64_t line_mask = (int64_t(1) << pf_shift) - 1;
   for (int64_t p = 0; p < pairs; ++p) {
     if (reads_ahead) reader.step();
@@ -237,7 +241,19 @@ void pair_block(const uint16_t* x, int64_t lda, const uint16_t* packed, int64_t 
       _mm_prefetch(addr, _MM_HINT_T0);
     }
     __m512i wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(packed + p * 2 * kBlockColumns + 32 * v);
+    uint16_t* pairs_p = packed + p * 2 * kBlockColumns;
+    if constexpr (Packs) {
+      const uint16_t* r0 = w + 2 * p * ldw;
+      for (int v = 0; v < NV; v += 2) {
+        const __m512i a = _mm512_loadu_si512(r0 + 16 * v), b = _mm512_loadu_si512(r0 + ldw + 16 * v);
+        wv[v] = _mm512_permutex2var_epi16(a, index.low, b);
+        wv[v + 1] = _mm512_permutex2var_epi16(a, index.high, b);
+        _mm512_storeu_si512(pairs_p + 32 * v, wv[v]);
+        _mm512_storeu_si512(pairs_p + 32 * v + 32, wv[v + 1]);
+      }
+    } else {
+      for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(pairs_p + 32 * v);
+    }
     for (int i = 0; i < MR; ++i) {
       const __m512bh xv = broadcast_pair(x + i * lda + 2 * p);
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], as_pairs(wv[v]), xv);
@@ -253,20 +269,28 @@ void pair_block(const uint16_t* x, int64_t lda, const uint16_t* packed, int64_t 
   }
 }
 
-using PairBlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool, uint16_t*,
-                             int64_t, const uint16_t*, int64_t, int, int64_t, int, ReadAhead*);
-constexpr PairBlockFn kPairBlocks[2][kBlockRows] = {
-    {&pair_block<1, 2>, &pair_block<2, 2>, &pair_block<3, 2>, &pair_block<4, 2>, &pair_block<5, 2>, &pair_block<6, 2>},
-    {&pair_block<1, 4>, &pair_block<2, 4>, &pair_block<3, 4>, &pair_block<4, 4>, &pair_block<5, 4>, &pair_block<6, 4>}};
+using PairBlockFn = void (*)(const uint16_t*, int64_t, uint16_t*, const uint16_t*, int64_t, int64_t, float*, int64_t,
+                             bool, uint16_t*, int64_t, const uint16_t*, int64_t, int, int64_t, int, ReadAhead*);
+template <bool Packs>
+constexpr PairBlockFn pair_block_fn(int mr, int nv) {
+  constexpr PairBlockFn kTwo[kBlockRows] = {&pair_block<1, 2, Packs>, &pair_block<2, 2, Packs>,
+                                            &pair_block<3, 2, Packs>, &pair_block<4, 2, Packs>,
+                                            &pair_block<5, 2, Packs>, &pair_block<6, 2, Packs>};
+  constexpr PairBlockFn kFour[kBlockRows] = {&pair_block<1, 4, Packs>, &pair_block<2, 4, Packs>,
+                                             &pair_block<3, 4, Packs>, &pair_block<4, 4, Packs>,
+                                             &pair_block<5, 4, Packs>, &pair_block<6, 4, Packs>};
+  return nv == 4 ? kFour[mr - 1] : kTwo[mr - 1];
+}
 
 // The 6 x 64 blocks down an expert's rows (x's, lda apart) over one packed chunk of `pairs` pairs
 // and `width` columns: sums (lds apart) start at zero with `first`, and with `out` are rounded into
-// it instead of stored. The blocks share out the prefetch of `lines` lines of `next` (pf_shift as
-// pair_block's; rows ldw apart) and step `ahead` (nullptr: none) once per pair.
-void blocks_over_chunk(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* packed, int64_t pairs,
-                       int64_t width, float* sums, int64_t lds, bool first, uint16_t* out, int64_t ldo,
-                       const uint16_t* next, int64_t ldw, int pf_shift, int64_t lines, ReadAhead* ahead) {
-  const auto& table = kPairBlocks[width == kBlockColumns ? 1 : 0];
+// it instead of stored. With w (nullptr: the chunk is packed already), the first block packs the
+// chunk from w's rows (ldw apart) as it goes. The blocks share out the prefetch of `lines` lines of
+// `next` (pf_shift as pair_block's; rows ldw apart) and step `ahead` (nullptr: none) once per pair.
+void blocks_over_chunk(const uint16_t* x, int64_t lda, int64_t rows, uint16_t* packed, const uint16_t* w,
+                       int64_t pairs, int64_t width, float* sums, int64_t lds, bool first, uint16_t* out,
+                       int64_t ldo, const uint16_t* next, int64_t ldw, int pf_shift, int64_t lines, ReadAhead* ahead) {
+  const int nv = width == kBlockColumns ? 4 : 2;
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
   if (next == nullptr) lines = 0;
   const int64_t per_block = (lines + blocks - 1) / blocks;
@@ -274,18 +298,23 @@ void blocks_over_chunk(const uint16_t* x, int64_t lda, int64_t rows, const uint1
     const int mr = static_cast<int>(std::min<int64_t>(kBlockRows, rows - r));
     const int64_t pf_first = std::min(lines, b * per_block);
     const int pf_count = static_cast<int>(std::min(lines, pf_first + per_block) - pf_first);
-    table[mr - 1](x + r * lda, lda, packed, pairs, sums + r * lds, lds, first, out != nullptr ? out + r * ldo : nullptr,
-                  ldo, next, ldw, pf_shift, pf_first, pf_count, ahead);
+    const bool packs = w != nullptr && b == 0;
+    const PairBlockFn block = packs ? pair_block_fn<true>(mr, nv) : pair_block_fn<false>(mr, nv);
+    block(x + r * lda, lda, packed, w, ldw, pairs, sums + r * lds, lds, first, out != nullptr ? out + r * ldo : nullptr,
+          ldo, next, ldw, pf_shift, pf_first, pf_count, ahead);
   }
 }
 
 // out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:depth, 0:cols] for an expert of many rows. For each
 // kBlockDepth of the depth, each 64 columns of w have their row pairs interleaved in a thread's
-// contiguous buffer, and 6 x 64 blocks down the expert's rows read it from L1 with their sums in
-// registers (float32 between chunks, in a thread's buffer across the task's columns). The blocks
-// prefetch the next 64 columns (after the last, the next chunk's first, or at the end
-// `following`'s: the next task's first, laid out as w), and each chunk's blocks request the next
-// chunk across the task's columns front to back (ReadAhead). Against 64 columns over the whole
+// contiguous buffer by the first 6 rows' block, which multiplies them as it goes (against a
+// packing pass of its own before the blocks, in one process, bit-identical: E256 with 8-16 rows
+// per expert 1.06-1.12x, 24-32 rows 1.02-1.08x, 64 rows even), and 6 x 64 blocks down the
+// expert's other rows read it from L1 with their sums in registers (float32 between chunks, in a
+// thread's buffer across the task's columns). The blocks prefetch the next 64 columns (after the
+// last, the next chunk's first, or at the end `following`'s: the next task's first, laid out as
+// w), and each chunk's blocks request the next chunk across the task's columns front to back
+// (ReadAhead). Against 64 columns over the whole
 // depth before the next 64 without the read-ahead, taking turns in one process (forward,
 // bit-identical): E128 k2 T4096 1.02-1.17x, E64 k8 T512 H2048 1.06-1.23x, and 0.97-1.08x twenty
 // minutes later; skewed 0.97-1.02x. The chunks first without the read-ahead: 0.94-1.05x.
@@ -307,14 +336,11 @@ void nn_pair_blocks(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t
                     steps_per_pair * (chunk / 2));
     for (int64_t j = 0; j < cols; j += kBlockColumns) {
       const int64_t width = std::min(kBlockColumns, cols - j);
-      for (int64_t p = 0; p < chunk / 2; ++p)
-        moe_gmm_simd::interleave_rows(w + (k0 + 2 * p) * ldw + j, w + (k0 + 2 * p + 1) * ldw + j,
-                                      packed + p * 2 * kBlockColumns, width);
       const uint16_t* next = j + kBlockColumns < cols ? w + k0 * ldw + j + kBlockColumns
                              : !last_chunk            ? w + (k0 + kBlockDepth) * ldw
                                                       : following;
       // the next 64 columns: kBlockDepth rows of 2 lines
-      blocks_over_chunk(x + k0, lda, rows, packed, chunk / 2, width, sums + j, lds, k0 == 0,
+      blocks_over_chunk(x + k0, lda, rows, packed, w + k0 * ldw + j, chunk / 2, width, sums + j, lds, k0 == 0,
                         last_chunk ? out + j : nullptr, ldo, next, ldw, 1, 2 * kBlockDepth, &ahead);
     }
   }
@@ -349,7 +375,7 @@ void nt_pair_blocks(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t
                              : j + kBlockColumns < cols ? w + (j + kBlockColumns) * ldw
                                                         : following;
       // the next chunk: kBlockColumns rows of kBlockDepth / 32 lines
-      blocks_over_chunk(x + k0, lda, rows, packed, chunk / 2, width, sums, kBlockColumns, k0 == 0,
+      blocks_over_chunk(x + k0, lda, rows, packed, nullptr, chunk / 2, width, sums, kBlockColumns, k0 == 0,
                         last ? out + j : nullptr, ldo, next, ldw, 3, kBlockColumns * (kBlockDepth / 32), nullptr);
     }
   }
