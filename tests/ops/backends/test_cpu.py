@@ -326,52 +326,32 @@ def test_bf16_kernels_take_experts_of_hundreds_of_rows(bf16_family, monkeypatch)
 
 
 @pytest.mark.parametrize("transposed_weight", [False, True])
-def test_avx512_bf16_nn_copies_inputs_whose_rows_are_4_kib_apart(bf16_family, poisoned_memory, transposed_weight):
-    if bf16_family != "avx512_bf16":
-        pytest.skip("the copy is the AVX-512 BF16 nn kernel's")
+def test_bf16_nn_inputs_whose_rows_are_4_kib_apart(bf16_family, poisoned_memory, transposed_weight):
     # nn multiplies x by an [E, K, N] weight (the forward) and dy by an [E, N, K] one (grad_input):
-    # that input's rows are 2048 bf16, 4 KiB, apart here; the 257-row expert is one of oneDNN's
-    counts, wide, narrow = [200, 0, 100, 257], 2048, 64
+    # that input's rows are 2048 bf16, 4 KiB, apart here, where every row's line at one depth falls
+    # in one L1 set; the same rows further apart give the same bits. The 257-row expert is oneDNN's.
+    counts, wide, narrow = [200, 0, 3, 100, 257], 2048, 64
     k, n = (wide, narrow) if not transposed_weight else (narrow, wide)
     x, w, _ = gmm_inputs(counts, k, n, torch.bfloat16, transposed_weight=transposed_weight)
     a = x if not transposed_weight else torch.randn(x.shape[0], n).to(torch.bfloat16)
     ends = torch.tensor(counts).cumsum(0)
-    padded = cpu._rows_off_the_period(a, ends, 256)
-    assert padded.stride(0) == wide + 32 and torch.equal(padded, a)
-    assert cpu._rows_off_the_period(a, ends, 50) is a  # the kernel's experts hold under half the rows
     off_period = torch.empty(a.shape[0], wide + 8, dtype=torch.bfloat16)[:, :wide].copy_(a)
-    assert cpu._rows_off_the_period(off_period, ends, 256) is off_period
     product = cpu.forward if not transposed_weight else cpu.grad_input
     out = product(a, w, ends)
-    assert torch.equal(out, product(off_period, w, ends))  # the copy changes no bit
+    assert torch.equal(out, product(off_period, w, ends))
     applied = w if not transposed_weight else w.transpose(1, 2)
     ref = torch.cat([ae.double() @ we.double() for ae, we in zip(a.split(counts), applied)])
     assert_rel_close(out, ref, tolerance_for(torch.bfloat16).rel, "nn product")
 
 
-def test_avx512_bf16_nn_copies_inputs_for_the_bands_experts_only(bf16_family, monkeypatch):
+def test_avx512_bf16_nn_blocks_sum_in_one_order_for_any_expert_size(bf16_family):
     if bf16_family != "avx512_bf16":
-        pytest.skip("the copy is the AVX-512 BF16 nn kernel's")
-    # experts of 8 rows or more take the pair blocks, which the copy slows: it counts the bands' only
-    assert native.ops().avx512_bf16_nn_band_rows() == 7
-    counts = [40, 3, 36]
-    x, w, _ = gmm_inputs(counts, 2048, 64, torch.bfloat16)  # x's rows 4 KiB apart
-    ends = torch.tensor(counts).cumsum(0)
-    limits, copy = [], cpu._rows_off_the_period
-    monkeypatch.setattr(cpu, "_rows_off_the_period", lambda a, e, rows: limits.append(rows) or copy(a, e, rows))
-    out = cpu.forward(x, w, ends)
-    assert limits == [7] and copy(x, ends, 7) is x
-    ref = torch.cat([xe.double() @ we.double() for xe, we in zip(x.split(counts), w)])
-    assert_rel_close(out, ref, tolerance_for(torch.bfloat16).rel, "nn product")
-
-
-def test_avx512_bf16_nn_blocks_sum_in_the_bands_order(bf16_family):
-    if bf16_family != "avx512_bf16":
-        pytest.skip("the blocks and bands are the AVX-512 BF16 nn kernel's")
-    # Experts of 8 rows or more take the 6 x 64 blocks over a packed weight, fewer the bands; both
-    # add the depth's pairs in order into float32 sums, so 40 rows as one expert give the bits of
-    # the same rows as experts of 7 and 5 rows with the same weight. Depth and width past one
-    # packed chunk (256) and one task (256 columns), the last strip 32 wide; rows past 6-row blocks.
+        pytest.skip("the pair blocks are the AVX-512 BF16 nn kernel's")
+    # Every expert takes 6 x 64 blocks over its weight's pairs: the first block of rows makes the
+    # pairs (and keeps them when more follow), the rest read them. All add the depth's pairs in
+    # order into float32 sums, so 40 rows as one expert give the bits of the same rows as experts of
+    # 7 and 5 rows (one block that keeps no pairs, two that share them) with the same weight. Depth
+    # and width past one packed chunk (256) and one task (256 columns), the last strip 32 wide.
     k, n = 288, 544
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(40, k, generator=generator).to(torch.bfloat16)
@@ -400,7 +380,7 @@ def test_avx512_bf16_nt_weights_with_an_odd_row_stride(bf16_family):
         assert_rel_close(out, ref, tolerance_for(torch.bfloat16).rel, f"nt, row stride {weight.stride(1)}")
 
 
-@pytest.mark.parametrize("counts", [[5, 0, 3], [40, 2, 70]], ids=["bands", "blocks"])
+@pytest.mark.parametrize("counts", [[5, 0, 3], [40, 2, 70]], ids=["few_rows", "many_rows"])
 def test_bf16_kernels_empty_reduction_is_zero(bf16_family, poisoned_memory, counts):
     # K = 0 (forward) and N = 0 (grad_input) are multiples of 32: the products are all zeros, after
     # calls that leave sums in the kernels' thread buffers, and the native ops write them too

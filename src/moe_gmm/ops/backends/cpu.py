@@ -162,18 +162,6 @@ AMX_GRAD_WEIGHT_MAX_ROWS = 128
 # 1.69-1.74x -> 1.45-1.47x the budget (oneDNN's kernels and primitives for those shapes are gone);
 # the results set's three passes even (skewed 0.96-1.04x).
 USE_AVX512_BF16 = True
-# The AVX-512 BF16 nn kernel passes over all of an expert's rows for every band of the weight,
-# broadcasting from each row's line at the band's depth. With the input's rows a multiple of
-# 4 KiB apart (bf16 H = 2048) those lines all fall in one L1 set and are fetched again on every
-# pass; the input is then first copied to rows one cache line longer, when the kernel takes at
-# least half of them. Forward, copy included, against the input as given (taking turns in one
-# process, 10 rounds; bit-identical): E64 k8 T512 H2048 gate_up 1.04-1.19x, E256 H2048 T512-T4096
-# 1.09-1.26x, skewed 1.06x; E8 (experts of 512+ rows, on oneDNN) 0.97-0.99x, hence the half. Since
-# experts of 32 rows or more took the pair blocks (their input read 6 rows at a time), only the
-# bands' experts count: with the blocks the copy ran E256 H2048 T512 (16 rows) 1.14x, T2048 and
-# T4096 (64 and 128 rows) 0.97-0.98x, E64 T512 H2048 0.97x. The blocks now take experts of 8 rows
-# and more, so the copy serves experts of up to 7 rows.
-BF16_NN_INPUT_ROW_PERIOD = 4096
 AVX512_BF16_NN_MAX_ROWS = 256
 AVX512_BF16_NT_MAX_ROWS = 256
 AVX512_BF16_GRAD_WEIGHT_MAX_ROWS = 256
@@ -472,30 +460,6 @@ def _experts_ops(*tensors: torch.Tensor, num_experts: int):
     return native.ops(*tensors)
 
 
-def _nn_band_rows(ops) -> int:
-    """The most rows of an expert the AVX-512 BF16 nn kernel takes in bands (more: pair blocks)."""
-    if "avx512_bf16_nn_band_rows" not in _cpu_limits:
-        _cpu_limits["avx512_bf16_nn_band_rows"] = int(ops.avx512_bf16_nn_band_rows())
-    return _cpu_limits["avx512_bf16_nn_band_rows"]
-
-
-def _rows_off_the_period(a_MR: torch.Tensor, group_ends_E: torch.Tensor, max_rows: int) -> torch.Tensor:
-    """``a`` itself, or a copy whose rows are one cache line longer (a view of the first columns)
-    when its rows are a multiple of ``BF16_NN_INPUT_ROW_PERIOD`` bytes apart and experts of at most
-    ``max_rows`` rows (the nn kernel's) hold at least half of them."""
-    if (a_MR.stride(0) * a_MR.element_size()) % BF16_NN_INPUT_ROW_PERIOD or a_MR.shape[1] == 0:
-        return a_MR
-    bounds = host_bounds(group_ends_E)
-    kernel_rows = sum(end - start for start, end in itertools.pairwise(bounds) if end - start <= max_rows)
-    if 2 * kernel_rows < a_MR.shape[0]:
-        return a_MR
-    line = 64 // a_MR.element_size()
-    # From the host cache rather than weight_layout.pad_rows' fresh tensor: an input of tens of MiB
-    # would otherwise be faulted in again on every call.
-    padded = host_cache.empty((a_MR.shape[0], a_MR.shape[1] + line), dtype=a_MR.dtype)[:, : a_MR.shape[1]]
-    return padded.copy_(a_MR)
-
-
 def _bf16_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor, *, transpose_w: bool):
     """``a[rows_e] @ w[e]`` (or ``@ w[e]^T``) by the native bfloat16 kernels, their large experts
     one GEMM each; None when they do not apply."""
@@ -514,9 +478,6 @@ def _bf16_product(a_MR: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.T
     ends = _ends(group_ends_E)
     max_rows = kernels.max_rows(product)
     a = _unit_rows(a_MR)
-    if product == "nn" and kernels.family == "avx512_bf16":
-        # the copy is for the bands' experts: the pair blocks of larger ones ran 0.97-0.98x with it
-        a = _rows_off_the_period(a, ends, min(max_rows, _nn_band_rows(kernels.ops)))
     if product == "nt" and kernels.family == "amx" and a.stride(0) % 2:
         a = a.contiguous()  # AMX's nt reads a's rows as bfloat16 pairs: an odd row stride is copied first
     kernels.op(product)(a, b, ends, max_rows, out)

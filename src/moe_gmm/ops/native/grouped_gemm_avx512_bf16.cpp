@@ -8,18 +8,16 @@
 // thread fork/join per expert. Here the threads split (expert, panel) tasks by cost once per call
 // and each task reads its part of the expert's weight once.
 //   vdpbf16ps multiplies pairs: float32 lane i += x[2i] * y[2i] + x[2i + 1] * y[2i + 1].
-//   nn: a band of 16 weight rows is loaded once per 32 output columns and its row pairs are
-//       interleaved in registers (unpacklo/hi: each float32 lane then holds one column's pair, in
-//       an order undone when the sums are rounded to bfloat16); every input row's pair of values
-//       is broadcast against them. The float32 sums of the task's rows stay in L1/L2 between
-//       bands.
+//   nn: 6 x 64 blocks of the output over 256 of the depth at a time, 24 sums in registers, every
+//       input row's pair of values broadcast against the weight's pairs. The first block of an
+//       expert's rows interleaves the weight's row pairs in registers as it goes (unpacklo/hi:
+//       each float32 lane then holds one column's pair, in an order undone when the sums are
+//       rounded to bfloat16) and, when more blocks follow, keeps them in a thread's buffer for
+//       them to read from L1.
 //   nt: the weight's rows already hold the reduced dimension contiguously: each output value is a
 //       dot product of an input row and a weight row, 4 input rows by 4 weight rows at a time.
-//   nn for experts of kNNPairBlockMinRows rows or more, nt for those of kPairBlockMinRows or more:
-//       each 64 columns x 256 of the depth of
-//       the weight is laid out in pairs in a thread's buffer once (nn: its rows interleaved by the
-//       first block as it computes, nt: its 32-bit pairs transposed), and 6 x 64 blocks of the
-//       output pass over it from L1, the input's pairs broadcast, 24 sums in registers.
+//       Experts of kPairBlockMinRows rows or more take nn's 6 x 64 blocks instead, each 64 columns
+//       x 256 of the depth of the weight transposed into 32-bit pairs in a thread's buffer once.
 //   tn: the expert's rows of b are interleaved in pairs once (the expert's few rows fit in L2)
 //       and every 6 x 64 block of the weight gradient is one pass over them, a's pairs broadcast;
 //       the gradient, the largest stream of the call, is written with streaming stores.
@@ -29,8 +27,6 @@
 // operand bfloat16 with a contiguous last dimension, every reduced or output width a multiple of
 // 32; outputs caller-provided.
 //   avx512_bf16_gemm_supported()                               built with AVX-512 BF16
-//   avx512_bf16_nn_band_rows()                                 nn's experts of at most this many
-//                                                              rows take the bands
 //   avx512_bf16_gemm_nn(a[M,R], b[E,R,J], group_ends, max_rows, out[M,J])
 //                                                              out[rows_e] = a[rows_e] @ b[e]
 //   avx512_bf16_gemm_nt(a[M,R], b[E,J,R], group_ends, max_rows, out[M,J])
@@ -70,13 +66,6 @@ using moe_gmm_gemm::Task;
 
 using moe_gmm_gemm::ReadAhead;
 
-constexpr int kBandPairs = 8;         // nn: 16 weight rows per band, 16 registers of pairs
-constexpr int kGroupRows = 4;         // nn: input rows per pass over a band (8 accumulators)
-constexpr int64_t kNNColumns = 512;   // nn: output columns per task
-// nn: the float32 sums of a task's rows, 24 KiB, in L1 beside the band's lines. Against 32 KiB
-// (one process, taking turns): E256 with about 16 rows each 1.04-1.09x faster, the rest even;
-// 16 KiB ran 4-9% slower at 4 and 64 rows.
-constexpr int64_t kScratchFloats = 6144;
 constexpr int kDotRows = 4;           // nt: input rows per pass (4 x 4 accumulators)
 constexpr int64_t kNTPanel = 128;     // nt: weight rows (output columns) per task
 // nt: how far ahead the weight rows are prefetched. Against one quad ahead, at 16 rows per expert
@@ -106,7 +95,7 @@ inline void store_row_bits(uint16_t* dst, __m512i v) {
 // 32 float32 in column order (c0: columns 0-15, c1: 16-31) -> 32 bfloat16, rounded to nearest even.
 inline __m512i round_to_bf16(__m512 c0, __m512 c1) { return (__m512i)_mm512_cvtne2ps_pbh(c1, c0); }
 
-// ---- nn ----------------------------------------------------------------------------------------
+// ---- nn's pair order ---------------------------------------------------------------------------
 // Interleaving rows r and r + 1 with unpacklo/hi_epi16 pairs up their 16-bit values within each
 // 128-bit lane: float32 lane 4q + i of the low half holds column 8q + i, of the high half 8q + 4 + i
 // (i < 4). The sums keep that order ([low 16][high 16] per 32 columns) until they are rounded.
@@ -119,85 +108,19 @@ inline __m512i columns_high(__m512 low, __m512 high) {
       low, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), high));
 }
 
-// sums[g][0:32] (+)= the band's 16 rows (as pairs in w) times x[g][0:16], for G input rows.
-template <int G>
-inline void band_rows(const __m512i (&w)[2 * kBandPairs], const uint16_t* x, int64_t lda, float* sums, int64_t ld,
-                      bool first) {
-  __m512 low[G], high[G];
-  for (int g = 0; g < G; ++g) {
-    low[g] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + g * ld);
-    high[g] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + g * ld + 16);
-  }
-  for (int p = 0; p < kBandPairs; ++p)
-    for (int g = 0; g < G; ++g) {
-      low[g] = dot_pair(low[g], w[2 * p], x + g * lda + 2 * p);
-      high[g] = dot_pair(high[g], w[2 * p + 1], x + g * lda + 2 * p);
-    }
-  for (int g = 0; g < G; ++g) {
-    _mm512_storeu_ps(sums + g * ld, low[g]);
-    _mm512_storeu_ps(sums + g * ld + 16, high[g]);
-  }
-}
-
-// out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:depth, 0:cols] for one expert's rows and one
-// panel of its weight (rows * cols <= kScratchFloats); the last band prefetches `following`'s
-// first band (ldw apart, as w's).
-void nn_panel(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w, int64_t ldw, int64_t depth,
-              int64_t cols, uint16_t* out, int64_t ldo, const uint16_t* following) {
-  thread_local std::vector<float> scratch(kScratchFloats);
-  float* sums = scratch.data();
-  for (int64_t k = 0; k < depth; k += 2 * kBandPairs) {
-    const uint16_t* band = w + k * ldw;
-    const bool last = k + 2 * kBandPairs >= depth;
-    for (int64_t c = 0; c < cols; c += 32) {
-      // the next band's lines, requested a band ahead: read once, nothing else brings them in
-      // early. Into L2 (prefetcht1): into L1 the E256 forward ran 1.46-1.54x slower at 4 rows per
-      // expert (k8 T128 routing 1.20-1.60x; paired rounds).
-      const uint16_t* ahead = last ? following : band + 2 * kBandPairs * ldw;
-      if (ahead != nullptr)
-        for (int q = 0; q < 2 * kBandPairs; ++q)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + q * ldw + c), _MM_HINT_T1);
-      __m512i pairs[2 * kBandPairs];
-      for (int p = 0; p < kBandPairs; ++p) {
-        const __m512i r0 = _mm512_loadu_si512(band + 2 * p * ldw + c),
-                      r1 = _mm512_loadu_si512(band + (2 * p + 1) * ldw + c);
-        pairs[2 * p] = _mm512_unpacklo_epi16(r0, r1);
-        pairs[2 * p + 1] = _mm512_unpackhi_epi16(r0, r1);
-      }
-      const uint16_t* xk = x + k;
-      float* s = sums + c;
-      int64_t r = 0;
-      for (; r + kGroupRows <= rows; r += kGroupRows)
-        band_rows<kGroupRows>(pairs, xk + r * lda, lda, s + r * cols, cols, k == 0);
-      for (; r < rows; ++r) band_rows<1>(pairs, xk + r * lda, lda, s + r * cols, cols, k == 0);
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; c += 32) {
-      const __m512 low = _mm512_loadu_ps(sums + r * cols + c), high = _mm512_loadu_ps(sums + r * cols + c + 16);
-      const __m512 c0 = _mm512_castsi512_ps(columns_low(low, high));
-      const __m512 c1 = _mm512_castsi512_ps(columns_high(low, high));
-      _mm512_storeu_si512(out + r * ldo + c, round_to_bf16(c0, c1));
-    }
-}
-
-// ---- pair blocks (nn and nt, experts of many rows) -----------------------------------------------
-// nn and nt: experts of this many rows or more take 6 x 64 blocks over a packed copy of the weight
-// instead of the bands (nn) or dot products (nt). The bands load each weight line straight from
-// the weight, where rows 2-4 KiB apart (N = 1024-2048) put a band's 16 lines and the next band's
-// prefetched 16 in one or two L1 sets; the packed chunk is contiguous. Against them, the two taking
-// turns in one process (2 threads, forward / grad_input, median of 12-16 paired rounds): E128 k2
-// T4096 (64 rows each) gate_up 1.08x / 1.15x, down 1.02x / 1.06x; E64 k8 T512 H2048 gate_up 1.11x /
-// 1.14x, down 1.14x / 1.36x; skewed 0.99-1.05x / 1.04-1.08x; at 16 rows (E256 T512) 0.77-0.93x.
+// ---- pair blocks (nn, and nt for experts of many rows) -------------------------------------------
+// nn: every expert takes the blocks. Experts of 1-7 rows used to take bands of 16 weight rows
+// loaded straight from the weight (rows 2-4 KiB apart put a band's 16 lines and the next band's
+// prefetched 16 in one or two L1 sets) with float32 sums in L1 between bands. Since the first
+// block makes the pairs as it multiplies them, the blocks are ahead of the bands at 4-7 rows
+// (forward, E256, paired rounds in one process, gate_up / down: 4 rows 1.17x / 1.14x, 6 rows 1.29x
+// / 1.58x; k8 T128 (0-10 rows) 1.17-1.19x / 1.17-1.24x, T256 1.14x / 1.15x); at 1-2 rows 0.91x /
+// 1.00-1.13x. Earlier, from 8 rows: 8 rows 1.38x / 1.41x, 16 rows 1.19x / 1.28x.
+// nt: experts of this many rows or more take the blocks over its transposed pairs instead of the
+// dot products. Against the dot products, the two taking turns in one process (2 threads, median
+// of 12-16 paired rounds): E128 k2 T4096 (64 rows each) 1.15x, down 1.06x; E64 k8 T512 H2048 1.14x
+// / 1.36x; skewed 1.04-1.08x; below: 0.67-0.78x at 8 rows, 0.71-0.73x at 16, 0.92-0.96x at 24.
 constexpr int64_t kPairBlockMinRows = 32;
-// nn: experts of this many rows or more take the pair blocks. Since the blocks read the next chunk
-// ahead (chunk by chunk, below), they are ahead of the bands from 8 rows (forward, E256, paired
-// rounds in one process, gate_up / down: 8 rows 1.38x / 1.41x, 12 rows 1.28x / 1.25x, 16 rows
-// 1.19x / 1.28x; the k8 T512 routing 1.36x / 1.23x, T128 1.09x / 1.01x; at 4-6 rows even or
-// slower for down: 0.96-0.99x). nt keeps its dot products below kPairBlockMinRows: its blocks ran
-// 0.67-0.78x at 8 rows, 0.71-0.73x at 16, 0.92-0.96x at 24.
-constexpr int64_t kNNPairBlockMinRows = 8;
-static_assert(kScratchFloats / (kNNPairBlockMinRows - 1) >= 32, "the bands' sums fit the scratch in one panel");
 constexpr int kBlockRows = 6;             // 6 x 4 accumulators + 4 weight vectors + 1 broadcast
 constexpr int64_t kBlockColumns = 64;
 constexpr int64_t kBlockDepth = 256;      // the depth of a packed chunk: 128 pairs x 64 columns, 32 KiB
@@ -213,25 +136,32 @@ inline __m512bh broadcast_pair(const uint16_t* p) {
   return as_pairs(v);
 }
 
+// Where a pair block's weight pairs come from.
+enum class Pairs {
+  kPacked,     // packed already (nt's transposed pairs in column order; nn's made by a block before)
+  kPackStore,  // nn: made from the weight's rows as they are needed, and stored for the blocks after
+  kPackOnly,   // nn: made from the weight's rows, for this block alone
+};
+
 // sums[i][0:16*NV] (+)= sum_p x[i][2p, 2p + 1] . packed[p][0:16*NV] for i < MR, p < pairs (x's rows
-// lda apart, packed's pairs 2 * kBlockColumns values apart). With Packs, the pairs are made from
-// w's rows (2p and 2p + 1, ldw apart; 16 * NV columns) as they are needed and written to packed for
-// the blocks after: the weight's loads mix with this block's multiply-adds instead of a pass of
-// their own. With `out`, the sums are rounded to bfloat16 into out (ldo apart) instead of stored.
-// Prefetches lines pf_first.. of `pf`, one per pair (line L: row L >> pf_shift, line
-// L & ((1 << pf_shift) - 1) of that row, rows ldp apart), and steps `ahead` (nullptr: none) once
-// per pair.
-template <int MR, int NV, bool Packs>
+// lda apart, packed's pairs 2 * kBlockColumns values apart). nn's pairs are rows 2p and 2p + 1 of
+// w (ldw apart) interleaved by unpacklo/hi within 128-bit lanes (columns_low/high's order, undone
+// when the sums are rounded; NNOrder); making them as they are needed mixes the weight's loads
+// with the multiply-adds instead of a packing pass of their own. With `out`, the sums are rounded
+// to bfloat16 into out (ldo apart) instead of stored. Prefetches lines pf_first.. of `pf`, one per
+// pair (line L: row L >> pf_shift, line L & ((1 << pf_shift) - 1) of that row, rows ldp apart), and
+// steps `ahead` (nullptr: none) once per pair.
+template <int MR, int NV, Pairs Source, bool NNOrder>
 void pair_block(const uint16_t* x, int64_t lda, uint16_t* packed, const uint16_t* w, int64_t ldw, int64_t pairs,
                 float* sums, int64_t lds, bool first, uint16_t* out, int64_t ldo, const uint16_t* pf, int64_t ldp,
                 int pf_shift, int64_t pf_first, int pf_count, ReadAhead* ahead) {
+  static_assert(NNOrder || Source == Pairs::kPacked, "only nn makes its pairs");
   // a copy in registers: through the pointer, every step would store and reload it
   ReadAhead reader = ahead != nullptr ? *ahead : ReadAhead();
   const bool reads_ahead = reader.active();
   __m512 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * lds + 16 * v);
-  const moe_gmm_simd::PairIndex index = Packs ? moe_gmm_simd::pair_index() : moe_gmm_simd::PairIndex{};
   const int64_t line_mask = (int64_t(1) << pf_shift) - 1;
   for (int64_t p = 0; p < pairs; ++p) {
     if (reads_ahead) reader.step();
@@ -242,17 +172,19 @@ void pair_block(const uint16_t* x, int64_t lda, uint16_t* packed, const uint16_t
     }
     __m512i wv[NV];
     uint16_t* pairs_p = packed + p * 2 * kBlockColumns;
-    if constexpr (Packs) {
+    if constexpr (Source == Pairs::kPacked) {
+      for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(pairs_p + 32 * v);
+    } else {
       const uint16_t* r0 = w + 2 * p * ldw;
       for (int v = 0; v < NV; v += 2) {
         const __m512i a = _mm512_loadu_si512(r0 + 16 * v), b = _mm512_loadu_si512(r0 + ldw + 16 * v);
-        wv[v] = _mm512_permutex2var_epi16(a, index.low, b);
-        wv[v + 1] = _mm512_permutex2var_epi16(a, index.high, b);
-        _mm512_storeu_si512(pairs_p + 32 * v, wv[v]);
-        _mm512_storeu_si512(pairs_p + 32 * v + 32, wv[v + 1]);
+        wv[v] = _mm512_unpacklo_epi16(a, b);
+        wv[v + 1] = _mm512_unpackhi_epi16(a, b);
+        if constexpr (Source == Pairs::kPackStore) {
+          _mm512_storeu_si512(pairs_p + 32 * v, wv[v]);
+          _mm512_storeu_si512(pairs_p + 32 * v + 32, wv[v + 1]);
+        }
       }
-    } else {
-      for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(pairs_p + 32 * v);
     }
     for (int i = 0; i < MR; ++i) {
       const __m512bh xv = broadcast_pair(x + i * lda + 2 * p);
@@ -262,7 +194,14 @@ void pair_block(const uint16_t* x, int64_t lda, uint16_t* packed, const uint16_t
   if (reads_ahead) *ahead = reader;
   if (out != nullptr) {
     for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < NV; v += 2) _mm512_storeu_si512(out + i * ldo + 16 * v, round_to_bf16(acc[i][v], acc[i][v + 1]));
+      for (int v = 0; v < NV; v += 2) {
+        __m512 c0 = acc[i][v], c1 = acc[i][v + 1];
+        if constexpr (NNOrder) {
+          c0 = _mm512_castsi512_ps(columns_low(acc[i][v], acc[i][v + 1]));
+          c1 = _mm512_castsi512_ps(columns_high(acc[i][v], acc[i][v + 1]));
+        }
+        _mm512_storeu_si512(out + i * ldo + 16 * v, round_to_bf16(c0, c1));
+      }
   } else {
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < NV; ++v) _mm512_storeu_ps(sums + i * lds + 16 * v, acc[i][v]);
@@ -271,22 +210,23 @@ void pair_block(const uint16_t* x, int64_t lda, uint16_t* packed, const uint16_t
 
 using PairBlockFn = void (*)(const uint16_t*, int64_t, uint16_t*, const uint16_t*, int64_t, int64_t, float*, int64_t,
                              bool, uint16_t*, int64_t, const uint16_t*, int64_t, int, int64_t, int, ReadAhead*);
-template <bool Packs>
+template <Pairs Source, bool NNOrder>
 constexpr PairBlockFn pair_block_fn(int mr, int nv) {
-  constexpr PairBlockFn kTwo[kBlockRows] = {&pair_block<1, 2, Packs>, &pair_block<2, 2, Packs>,
-                                            &pair_block<3, 2, Packs>, &pair_block<4, 2, Packs>,
-                                            &pair_block<5, 2, Packs>, &pair_block<6, 2, Packs>};
-  constexpr PairBlockFn kFour[kBlockRows] = {&pair_block<1, 4, Packs>, &pair_block<2, 4, Packs>,
-                                             &pair_block<3, 4, Packs>, &pair_block<4, 4, Packs>,
-                                             &pair_block<5, 4, Packs>, &pair_block<6, 4, Packs>};
+  constexpr PairBlockFn kTwo[kBlockRows] = {
+      &pair_block<1, 2, Source, NNOrder>, &pair_block<2, 2, Source, NNOrder>, &pair_block<3, 2, Source, NNOrder>,
+      &pair_block<4, 2, Source, NNOrder>, &pair_block<5, 2, Source, NNOrder>, &pair_block<6, 2, Source, NNOrder>};
+  constexpr PairBlockFn kFour[kBlockRows] = {
+      &pair_block<1, 4, Source, NNOrder>, &pair_block<2, 4, Source, NNOrder>, &pair_block<3, 4, Source, NNOrder>,
+      &pair_block<4, 4, Source, NNOrder>, &pair_block<5, 4, Source, NNOrder>, &pair_block<6, 4, Source, NNOrder>};
   return nv == 4 ? kFour[mr - 1] : kTwo[mr - 1];
 }
 
 // The 6 x 64 blocks down an expert's rows (x's, lda apart) over one packed chunk of `pairs` pairs
 // and `width` columns: sums (lds apart) start at zero with `first`, and with `out` are rounded into
-// it instead of stored. With w (nullptr: the chunk is packed already), the first block packs the
-// chunk from w's rows (ldw apart) as it goes. The blocks share out the prefetch of `lines` lines of
-// `next` (pf_shift as pair_block's; rows ldw apart) and step `ahead` (nullptr: none) once per pair.
+// it instead of stored. With w (nn; nullptr: nt, the chunk is packed already), the first block
+// makes the chunk's pairs from w's rows (ldw apart) as it goes, and stores them when blocks follow.
+// The blocks share out the prefetch of `lines` lines of `next` (pf_shift as pair_block's; rows ldw
+// apart) and step `ahead` (nullptr: none) once per pair.
 void blocks_over_chunk(const uint16_t* x, int64_t lda, int64_t rows, uint16_t* packed, const uint16_t* w,
                        int64_t pairs, int64_t width, float* sums, int64_t lds, bool first, uint16_t* out,
                        int64_t ldo, const uint16_t* next, int64_t ldw, int pf_shift, int64_t lines, ReadAhead* ahead) {
@@ -298,8 +238,10 @@ void blocks_over_chunk(const uint16_t* x, int64_t lda, int64_t rows, uint16_t* p
     const int mr = static_cast<int>(std::min<int64_t>(kBlockRows, rows - r));
     const int64_t pf_first = std::min(lines, b * per_block);
     const int pf_count = static_cast<int>(std::min(lines, pf_first + per_block) - pf_first);
-    const bool packs = w != nullptr && b == 0;
-    const PairBlockFn block = packs ? pair_block_fn<true>(mr, nv) : pair_block_fn<false>(mr, nv);
+    const PairBlockFn block = w == nullptr ? pair_block_fn<Pairs::kPacked, false>(mr, nv)
+                              : b > 0      ? pair_block_fn<Pairs::kPacked, true>(mr, nv)
+                              : blocks > 1 ? pair_block_fn<Pairs::kPackStore, true>(mr, nv)
+                                           : pair_block_fn<Pairs::kPackOnly, true>(mr, nv);
     block(x + r * lda, lda, packed, w, ldw, pairs, sums + r * lds, lds, first, out != nullptr ? out + r * ldo : nullptr,
           ldo, next, ldw, pf_shift, pf_first, pf_count, ahead);
   }
@@ -477,16 +419,6 @@ void tasks_of(const std::vector<int64_t>& starts, int64_t width, int64_t step, b
   }
 }
 
-// The most rows of an expert the nn bands take (the input copy for rows 4 KiB apart is theirs);
-// experts of more rows take the pair blocks.
-int64_t avx512_bf16_nn_band_rows() {
-#ifdef MOE_GMM_AVX512_BF16
-  return kNNPairBlockMinRows - 1;
-#else
-  return 0;
-#endif
-}
-
 bool avx512_bf16_gemm_supported() {
 #ifdef MOE_GMM_AVX512_BF16
   return true;
@@ -512,32 +444,22 @@ void avx512_bf16_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const uint16_t *ap = bf16_bits(a), *bp = bf16_bits(b);
   uint16_t* op = bf16_bits(out);
   const int64_t lda = a.stride(0), lde = b.stride(0), ldb = b.stride(1), ldo = out.stride(0);
-  // The bands take the experts of fewer than kNNPairBlockMinRows rows, in the widest panels (a
-  // multiple of 32 columns) whose float32 sums fit the scratch; the pair blocks the others.
-  const int64_t band_max_rows = std::min(max_rows, kNNPairBlockMinRows - 1);
-  const int64_t largest = std::max<int64_t>(1, moe_gmm_gemm::largest_group(starts, band_max_rows));
-  const int64_t step = std::min(kNNColumns, kScratchFloats / largest / 32 * 32);
   std::vector<Task> tasks;
   std::vector<double> cost;
-  tasks_of(starts, width, step, false, band_max_rows, tasks, cost);
-  tasks_of(starts, width, kBlockTaskColumns, false, max_rows, tasks, cost, kNNPairBlockMinRows);
+  tasks_of(starts, width, kBlockTaskColumns, false, max_rows, tasks, cost);
   const int64_t b_elements = b.size(0) * lde;
   moe_gmm_gemm::run_tasks<moe_gmm_gemm::NoScope>(tasks, cost, [&](const Task& task) {
     const int64_t m0 = starts[task.expert], rows = starts[task.expert + 1] - m0;
-    if (depth == 0) {  // an empty sum: neither the bands nor the blocks would write it
+    if (depth == 0) {  // an empty sum: the blocks would not write it
       for (int64_t r = m0; r < m0 + rows; ++r)
         moe_gmm_gemm::zero_bytes(op + r * ldo + task.begin, (task.end - task.begin) * 2, false);
       return;
     }
-    // The last band or block prefetches the first of the next panel or expert, usually this
-    // thread's next task (E256 with 4-16 rows per expert: 1.06x faster).
+    // The last block prefetches the first of the next panel or expert, usually this thread's next
+    // task (E256 with 4-16 rows per expert: 1.06x faster).
     const uint16_t* following = moe_gmm_gemm::following_panel(bp, task, width, lde, b_elements);
-    const uint16_t* w = bp + task.expert * lde + task.begin;
-    uint16_t* o = op + m0 * ldo + task.begin;
-    if (rows >= kNNPairBlockMinRows)
-      nn_pair_blocks(ap + m0 * lda, lda, rows, w, ldb, depth, task.end - task.begin, o, ldo, following);
-    else
-      nn_panel(ap + m0 * lda, lda, rows, w, ldb, depth, task.end - task.begin, o, ldo, following);
+    nn_pair_blocks(ap + m0 * lda, lda, rows, bp + task.expert * lde + task.begin, ldb, depth, task.end - task.begin,
+                   op + m0 * ldo + task.begin, ldo, following);
   });
 #endif
 }
@@ -648,7 +570,6 @@ void avx512_bf16_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(moe_gmm_native, m) {
   m.def("avx512_bf16_gemm_supported() -> bool", avx512_bf16_gemm_supported);
-  m.def("avx512_bf16_nn_band_rows() -> int", avx512_bf16_nn_band_rows);
   m.def("avx512_bf16_gemm_nn(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
   m.def("avx512_bf16_gemm_nt(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");
   m.def("avx512_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_ends, int max_rows, Tensor(a!) out) -> ()");

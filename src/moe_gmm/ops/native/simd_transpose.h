@@ -15,22 +15,13 @@ namespace moe_gmm_simd {
 
 #ifdef MOE_GMM_SIMD_TRANSPOSE
 
-// The permutes that pair up 32 values of two rows (a, b): permutex2var(a, low, b) holds (a[j], b[j])
-// for j < 16, permutex2var(a, high, b) for 16 <= j < 32.
-struct PairIndex {
-  __m512i low, high;
-};
-inline PairIndex pair_index() {
+// dst[j][0..1] = (r0[j], r1[j]) for j < width (a multiple of 32): two rows as VNNI pairs.
+inline void interleave_rows(const uint16_t* r0, const uint16_t* r1, uint16_t* dst, int64_t width) {
   alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  return {_mm512_load_si512(kLow), _mm512_load_si512(kHigh)};
-}
-
-// dst[j][0..1] = (r0[j], r1[j]) for j < width (a multiple of 32): two rows as VNNI pairs.
-inline void interleave_rows(const uint16_t* r0, const uint16_t* r1, uint16_t* dst, int64_t width) {
-  const auto [low, high] = pair_index();
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
   for (int64_t j = 0; j < width; j += 32) {
     const __m512i a = _mm512_loadu_si512(r0 + j), b = _mm512_loadu_si512(r1 + j);
     _mm512_storeu_si512(dst + 2 * j, _mm512_permutex2var_epi16(a, low, b));
