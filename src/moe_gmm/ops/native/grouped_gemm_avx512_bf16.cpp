@@ -76,13 +76,6 @@ constexpr int64_t kTNPanel = 48;      // tn: output rows per task
 
 inline __m512bh as_pairs(__m512i v) { return (__m512bh)v; }
 
-// acc + the pairs of y times the pair of bfloat16 values at x, broadcast to every lane
-inline __m512 dot_pair(__m512 acc, __m512i y, const uint16_t* x) {
-  int32_t pair;
-  std::memcpy(&pair, x, sizeof(pair));
-  return _mm512_dpbf16_ps(acc, as_pairs(y), as_pairs(_mm512_set1_epi32(pair)));
-}
-
 template <bool Streaming>
 inline void store_row_bits(uint16_t* dst, __m512i v) {
   if constexpr (Streaming) {
@@ -118,8 +111,9 @@ inline __m512i columns_high(__m512 low, __m512 high) {
 // 1.00-1.13x. Earlier, from 8 rows: 8 rows 1.38x / 1.41x, 16 rows 1.19x / 1.28x.
 // nt: experts of this many rows or more take the blocks over its transposed pairs instead of the
 // dot products. Against the dot products, the two taking turns in one process (2 threads, median
-// of 12-16 paired rounds): E128 k2 T4096 (64 rows each) 1.15x, down 1.06x; E64 k8 T512 H2048 1.14x
-// / 1.36x; skewed 1.04-1.08x; below: 0.67-0.78x at 8 rows, 0.71-0.73x at 16, 0.92-0.96x at 24.
+// of 12-16 paired rounds, gate_up / down): E128 k2 T4096 (64 rows each) 1.15x / 1.06x; E64 k8 T512
+// H2048 1.14x / 1.36x; skewed 1.04-1.08x; below: 0.67-0.78x at 8 rows, 0.71-0.73x at 16, 0.92-0.96x
+// at 24.
 constexpr int64_t kPairBlockMinRows = 32;
 constexpr int kBlockRows = 6;             // 6 x 4 accumulators + 4 weight vectors + 1 broadcast
 constexpr int64_t kBlockColumns = 64;
