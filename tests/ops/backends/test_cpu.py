@@ -598,9 +598,9 @@ def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512, monkeypatch,
 # widths past both task sizes (512 and 1024 columns), for experts of 1-3 rows too
 @example(counts=[3, 20, 0, 7], k=40, n=1100, max_rows=64, transposed_weight=False, seed=0)
 @example(counts=[1, 2], k=16, n=600, max_rows=16, transposed_weight=True, seed=1)
-# the register blocks for every expert (nn) or those of 24 rows and more (nt, through its transposed weight blocks, 64 deep
-# under 128 rows and 256 deep from there) rows and more: row counts off the block's 6, widths off
-# its 64 columns and the transpose's 16, depths past one chunk of 64 or 256 and off it
+# the register blocks for every expert (nn) or those of 24 rows and more (nt, through its transposed
+# weight blocks, 64 deep under 128 rows and 256 deep from there): row counts off the block's 6,
+# widths off its 64 columns and the transpose's 16, depths past one chunk of 64 or 256 and off it
 @example(counts=[33, 70, 0, 5, 40], k=300, n=100, max_rows=4096, transposed_weight=False, seed=2)
 @example(counts=[37, 31, 64], k=513, n=40, max_rows=4096, transposed_weight=True, seed=3)
 @example(counts=[130, 17, 0, 3], k=270, n=300, max_rows=4096, transposed_weight=False, seed=4)

@@ -282,7 +282,7 @@ void blocks_down_rows(const float* x, int64_t ldx, int64_t rows, const float* w,
 // rows) 1.04-1.12x, about half of what weight rows one line longer gain there; E8 and skewed
 // 0.98-1.03x. The same over nt's transposed blocks (the next task's weight rows) ran 0.95-1.06x.
 void nn_blocks(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
-                  float* o, int64_t ldo, const float* following) {
+               float* o, int64_t ldo, const float* following) {
   if (depth == 0)  // an empty sum: the blocks would write nothing
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
   const int64_t blocks = (rows + kRows - 1) / kRows, strips = (cols + kColumns - 1) / kColumns;
