@@ -184,6 +184,7 @@ void nn_block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* c
   // a copy in registers: through the pointer, every step would store and reload it
   ReadAhead reader = ahead != nullptr ? *ahead : ReadAhead();
   const bool reads_ahead = reader.active();
+  if (!accumulate) moe_gmm_gemm::prefetch_for_write(c, ldc * 4, MR, NV * 64);
   for (int64_t d0 = 0; d0 < depth; d0 += kPartialDepth) {
     const int64_t end = std::min(depth, d0 + kPartialDepth);
     __m512 acc[MR][NV];
@@ -403,6 +404,7 @@ void nt_dots(const float* x, int64_t lda, int64_t rows, const float* w, int64_t 
              float* o, int64_t ldo, const float* following) {
   constexpr int64_t kBlock = 4;
   const int64_t blocks = (rows + kBlock - 1) / kBlock;
+  moe_gmm_gemm::prefetch_for_write(o, ldo * 4, rows, cols * 4);
   for (int64_t j = 0; j < cols; j += kBlock) {
     const int nj = static_cast<int>(std::min(kBlock, cols - j));
     const float* next = j + kBlock < cols ? w + (j + kBlock) * ldw : following;

@@ -101,18 +101,6 @@ inline __m512i columns_high(__m512 low, __m512 high) {
       low, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), high));
 }
 
-// Requests the lines of rows x `bytes` bytes at p (rows ld elements apart) for writing, ahead of
-// the stores that fill them: an output line missing from the caches is read before it is written,
-// and a block's stores, all at its end, would otherwise wait for those reads. nn's blocks request
-// theirs as they start, nt's dot products a task's at once (2 threads, paired rounds in one
-// process: E256 k8 T512 forward, down 1.17x, gate_up 1.06x; E64 and E128 forward 1.06x; grad_input
-// 1.00-1.05x). Streaming stores instead ran the down forward 1.18x faster but its layer 0.98x: the
-// next op then reads the output from memory.
-inline void prefetch_for_write(const uint16_t* p, int64_t ld, int64_t rows, int64_t bytes) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p + r * ld) + b, 1, 3);
-}
-
 // ---- pair blocks (nn, and nt for experts of many rows) -------------------------------------------
 // nn: every expert takes the blocks. Experts of 1-7 rows used to take bands of 16 weight rows
 // loaded straight from the weight (rows 2-4 KiB apart put a band's 16 lines and the next band's
@@ -169,7 +157,8 @@ void pair_block(const uint16_t* x, int64_t lda, uint16_t* packed, const uint16_t
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * lds + 16 * v);
   const int64_t line_mask = (int64_t(1) << pf_shift) - 1;
-  if (out != nullptr) prefetch_for_write(out, ldo, MR, NV * 32);
+  // the output's lines requested as the block starts (see prefetch_for_write)
+  if (out != nullptr) moe_gmm_gemm::prefetch_for_write(out, ldo * 2, MR, NV * 32);
   for (int64_t p = 0; p < pairs; ++p) {
     if (reads_ahead) reader.step();
     if (p < pf_count) {
@@ -506,7 +495,7 @@ void avx512_bf16_gemm_nt(const at::Tensor& a, const at::Tensor& b, const at::Ten
     const int64_t groups = (rows + kDotRows - 1) / kDotRows;
     const int prefetch_step = static_cast<int>(std::min<int64_t>(groups, kDotColumns));
     const int64_t ahead = kDotColumns * std::max<int64_t>(1, kNTPrefetchBytes / (kDotColumns * depth * 2));
-    prefetch_for_write(op + m0 * ldo + task.begin, ldo, rows, (task.end - task.begin) * 2);
+    moe_gmm_gemm::prefetch_for_write(op + m0 * ldo + task.begin, ldo * 2, rows, (task.end - task.begin) * 2);
     for (int64_t j = task.begin; j < task.end; j += kDotColumns) {
       // Past the task's range a contiguous weight goes on with the next panel or expert's rows,
       // usually this thread's next task.

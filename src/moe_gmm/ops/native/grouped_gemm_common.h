@@ -162,6 +162,20 @@ class ReadAhead {
 };
 #endif
 
+// Requests the lines of `rows` rows of `bytes` bytes at p (rows `stride` bytes apart) for writing,
+// ahead of the stores that fill them: an output line missing from the caches is read before it is
+// written, and a block's stores, all at its end, would otherwise wait for those reads. The blocks
+// of nn (both dtypes) request theirs as they start, the dot products of nt a task's at once
+// (bfloat16, 2 threads, paired rounds in one process: E256 k8 T512 forward, down 1.17x, gate_up
+// 1.06x; E64 and E128 forward 1.06x; grad_input 1.00-1.05x; float32 1.01-1.07x, about the noise).
+// Streaming stores instead ran the bfloat16 down forward 1.18x faster but its layer 0.98x: the
+// next op then reads the output from memory.
+inline void prefetch_for_write(const void* p, int64_t stride, int64_t rows, int64_t bytes) {
+  const char* row = static_cast<const char*>(p);
+  for (int64_t r = 0; r < rows; ++r, row += stride)
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 1, 3);
+}
+
 struct NoScope {};
 
 // A number for each call of an op, so per-thread state can tell calls apart.
