@@ -451,6 +451,32 @@ def test_bf16_kernels_results_do_not_depend_on_thread_count(bf16_family):
             assert torch.equal(got, first)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_with_more_threads_than_cores_give_the_one_thread_results(dtype):
+    # Hundreds of (expert, columns) tasks on 4 threads: on a machine of fewer cores the threads are
+    # preempted mid-range and the others take their remaining tasks from the back.
+    g = torch.Generator().manual_seed(11)
+    counts = torch.randint(0, 13, (48,), generator=g).tolist()
+    x, w, _ = gmm_inputs(counts, 64, 1024, dtype)
+    dy = torch.randn(x.shape[0], 1024, generator=g).to(dtype)
+    ends = torch.tensor(counts).cumsum(0)
+    impl = get_backend("cpu")
+
+    def passes():
+        return impl.forward(x, w, ends), impl.grad_input(dy, w, ends), impl.grad_weight(x, dy, ends)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = passes()
+        torch.set_num_threads(4)
+        for _ in range(3):
+            for got, want in zip(passes(), expected):
+                assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bf16_kernels_nt_takes_rows_with_an_odd_stride(bf16_family):
     counts = [5, 0, 21]
     x, w, _ = gmm_inputs(counts, 64, 96, torch.bfloat16)
