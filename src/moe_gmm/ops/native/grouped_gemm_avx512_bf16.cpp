@@ -252,10 +252,10 @@ void blocks_over_chunk(const uint16_t* x, int64_t lda, int64_t rows, uint16_t* p
 // thread's buffer across the task's columns). The blocks prefetch the next 64 columns (after the
 // last, the next chunk's first, or at the end `following`'s: the next task's first, laid out as
 // w), and each chunk's blocks request the next chunk across the task's columns front to back
-// (ReadAhead). Against 64 columns over the whole
-// depth before the next 64 without the read-ahead, taking turns in one process (forward,
-// bit-identical): E128 k2 T4096 1.02-1.17x, E64 k8 T512 H2048 1.06-1.23x, and 0.97-1.08x twenty
-// minutes later; skewed 0.97-1.02x. The chunks first without the read-ahead: 0.94-1.05x.
+// (ReadAhead). Against 64 columns over the whole depth before the next 64 without the read-ahead,
+// taking turns in one process (forward, bit-identical): E128 k2 T4096 1.02-1.17x, E64 k8 T512
+// H2048 1.06-1.23x, and 0.97-1.08x twenty minutes later; skewed 0.97-1.02x. The chunks first
+// without the read-ahead: 0.94-1.05x.
 void nn_pair_blocks(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w, int64_t ldw, int64_t depth,
                     int64_t cols, uint16_t* out, int64_t ldo, const uint16_t* following) {
   thread_local std::vector<uint16_t> packed_buffer;
