@@ -16,7 +16,7 @@ uninitialised, like ``torch.empty``: callers overwrite every element.
 Bounded: the cache references at most :func:`limit_bytes` bytes (in use and idle together; default
 ``MOE_GMM_HOST_CACHE_MB``, else a quarter of physical memory). Past that it drops idle storages,
 least recently used first, and when that is not enough it allocates without caching. Idle storages
-stay resident between steps (as with a GPU caching allocator): :func:`clear` returns them.
+stay resident between steps (as with a GPU caching allocator): :func:`clear` frees them.
 Tensors under 1 MiB are never cached: the heap serves those without page faults.
 """
 
@@ -195,5 +195,10 @@ def stats() -> CacheStats:
 
 
 def clear() -> None:
-    """Forget every cached storage and reset the hit/miss counts; memory no tensor uses any more goes back to the system."""
+    """Forget every cached storage and reset the hit/miss counts.
+
+    Storages no tensor uses any more are freed: a block the C allocator mapped on its own goes back
+    to the system at once; one from its heap (glibc serves blocks below its adaptive mmap threshold,
+    up to 32 MiB, from there) stays resident for reuse until the heap is trimmed.
+    """
     _cache.clear()
