@@ -633,6 +633,10 @@ def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512, monkeypatch,
 # nn's blocks requesting the next depth chunk, and past the last one the next task's first, while
 # they compute: three chunks, two tasks per expert (the second narrower), empty experts
 @example(counts=[9, 31, 0, 12, 0], k=600, n=1100, max_rows=64, transposed_weight=False, seed=5)
+# weight rows 8 and 16 KiB apart: nn's depth chunks shrink to 128 and 64 rows (nn_depth_chunk),
+# with a shorter last chunk
+@example(counts=[20, 0, 70], k=300, n=2048, max_rows=4096, transposed_weight=False, seed=6)
+@example(counts=[7, 40], k=150, n=4096, max_rows=4096, transposed_weight=False, seed=7)
 # a reduction of 434 canceling to small outputs: one chain of 434 float32 sums was 4x less accurate
 # than the eager loop here
 @example(counts=[0, 0, 0, 15, 40], k=2, n=434, max_rows=64, transposed_weight=False, seed=19587)

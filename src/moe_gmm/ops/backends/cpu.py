@@ -194,8 +194,11 @@ AVX512_GRAD_WEIGHT_MAX_ROWS = 4096 if MKL_GENERIC_CODE else 128
 # code at every expert size (limits 128/4096, forward ms: E8 k2 T4096 gate_up 83.7/47.0, down
 # 43.2/23.0; skewed gate_up 79.6/45.5, down 41.9/21.1; the rest even). The blocks now take every
 # expert (since they read the weight's next chunk ahead, 1.05-1.9x faster than the bands at 1-7
-# rows on AMD), so on Intel experts of 1-16 rows take them too (not measured there).
-AVX512_NN_MAX_ROWS = 4096 if MKL_GENERIC_CODE else 16
+# rows on AMD). On an Intel Xeon (Sapphire Rapids class, MKL's AVX-512 code), in one process taking
+# turns, limits 16/64/256 (forward ms): E256 k8 T512 gate_up 76.4/50.1/50.4, down 53.6/33.9/33.1;
+# E128 k2 T4096 (about 64 rows) gate_up 169.9/150.6/131.3, down 86.1/73.7/61.9; E64 k8 T512 H2048
+# gate_up 162.6/151.3/120.1, down 86.3/76.8/69.1; E8 (1024 rows) and skewed even (0.95-1.02x).
+AVX512_NN_MAX_ROWS = 4096 if MKL_GENERIC_CODE else 256
 # The float32 grad_input of an [E, K, N] weight (and forward of an [E, N, K] one) for experts of few
 # rows (AVX-512, nt). Against one MKL GEMM per expert on a thread (Intel Xeon, ms MKL/kernel, E256): 4 rows
 # K1024 N512 32.5/26.5, 16 rows 52.6/42.9; K256 N1024 12.0/9.6 and 19.9/20.1; E128 8 rows
@@ -205,8 +208,11 @@ AVX512_NN_MAX_ROWS = 4096 if MKL_GENERIC_CODE else 16
 # Since experts of 16 rows and more take the nn blocks over the weight transposed in blocks, the
 # kernel is ahead of MKL's generic code at every expert size (limits 32/4096, grad_input ms: E8 k2
 # T4096 gate_up 80.3/40.1, down 40.6/21.0; E128 k2 T4096 gate_up 98.1/51.9; skewed gate_up
-# 84.7/41.5, down 43.5/21.4; E256 T512 gate_up 27.7/25.3).
-AVX512_NT_MAX_ROWS = 4096 if MKL_GENERIC_CODE else 16
+# 84.7/41.5, down 43.5/21.4; E256 T512 gate_up 27.7/25.3). On the Intel Xeon above, limits
+# 16/32/64 (grad_input ms): E256 k8 T512 gate_up 71.1/40.8/39.0, down 27.3/21.2/20.4; E128 k2 T4096
+# gate_up 120.8/111.6/143.6, down 67.6/58.8/72.9; E64 k8 T512 H2048 gate_up 163.9/160.8/178.8,
+# down 80.8/83.2/94.9; skewed even. MKL's AVX-512 code is ahead from about 64 rows there.
+AVX512_NT_MAX_ROWS = 4096 if MKL_GENERIC_CODE else 32
 
 
 def plan(

@@ -71,6 +71,16 @@ constexpr int64_t kTNPackRows = 384;
 // whole depth (2 threads, experts of 64-1024 rows, K1024 N512, standalone): 256 ran 291-414
 // GFLOP/s, 64 263-387, 1024 200-368.
 constexpr int64_t kNNDepthChunk = 256;
+// ... unless the weight's rows are 8 KiB apart or a larger power of two: then a chunk's strip (and
+// the next chunk, read ahead) would fall into a few L2 sets (sets repeat every 128 KiB on these
+// CPUs: 1-2 MiB of 8-16 ways) and every block would fetch it again. The chunk keeps at most 8 of a
+// set's lines (E64 k8 T512 down, K512 N2048 float32, 64 rows per expert: 49.1 against 88.9 ms on an
+// Intel Xeon, as fast as weight rows padded by one line; every other results case even).
+inline int64_t nn_depth_chunk(int64_t row_bytes) {
+  const int64_t alias = row_bytes & -row_bytes;  // the largest power of two dividing the row stride
+  if (alias < 8192) return kNNDepthChunk;
+  return std::max<int64_t>(32, std::min<int64_t>(kNNDepthChunk, (int64_t(1) << 20) / alias));
+}
 // nn blocks: the terms summed in registers before the partial sums are added to the output. Against
 // one chain over the depth (forward and grad_input, experts of 64-1024 rows, 3 turns): 64 cost
 // 3-12%, 128 0-8%; in 61 random reductions of 1100 terms to 2 outputs, 8 and 10 came out more than
@@ -273,7 +283,7 @@ void blocks_down_rows(const float* x, int64_t ldx, int64_t rows, const float* w,
 }
 
 // out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:depth, 0:cols] for one expert: 6 x 64
-// blocks of the output, each over kNNDepthChunk of the depth with its 24 sums in registers (the
+// blocks of the output, each over nn_depth_chunk of the depth with its 24 sums in registers (the
 // chunk's 64-column strip of the weight is read from L2 by every 6 rows after the first). Each
 // strip's blocks prefetch the next strip, or after the last one `following` (the next task's
 // first strip, laid out as w; nullptr: none). Each chunk's blocks also request the next chunk (after
@@ -287,15 +297,16 @@ void nn_blocks(const float* x, int64_t ldx, int64_t rows, const float* w, int64_
   if (depth == 0)  // an empty sum: the blocks would write nothing
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
   const int64_t blocks = (rows + kRows - 1) / kRows, strips = (cols + kColumns - 1) / kColumns;
-  for (int64_t k0 = 0; k0 < depth; k0 += kNNDepthChunk) {
-    const int64_t chunk = std::min(kNNDepthChunk, depth - k0);
-    const bool last = k0 + kNNDepthChunk >= depth;
-    ReadAhead ahead(last ? following : w + (k0 + kNNDepthChunk) * ldw,
-                    std::min(kNNDepthChunk, last ? depth : depth - k0 - kNNDepthChunk), cols * sizeof(float),
+  const int64_t depth_chunk = nn_depth_chunk(ldw * int64_t(sizeof(float)));
+  for (int64_t k0 = 0; k0 < depth; k0 += depth_chunk) {
+    const int64_t chunk = std::min(depth_chunk, depth - k0);
+    const bool last = k0 + depth_chunk >= depth;
+    ReadAhead ahead(last ? following : w + (k0 + depth_chunk) * ldw,
+                    std::min(depth_chunk, last ? depth : depth - k0 - depth_chunk), cols * sizeof(float),
                     ldw * sizeof(float), blocks * chunk * strips);
     for (int64_t j = 0; j < cols; j += kColumns) {
       const float* next = j + kColumns < cols           ? w + k0 * ldw + j + kColumns
-                          : k0 + kNNDepthChunk < depth ? w + (k0 + kNNDepthChunk) * ldw
+                          : k0 + depth_chunk < depth ? w + (k0 + depth_chunk) * ldw
                                                        : following;
       blocks_down_rows(x + k0, ldx, rows, w + k0 * ldw + j, ldw, chunk, std::min<int64_t>(kColumns, cols - j), o + j,
                        ldo, k0 > 0, next, ldw, &ahead);
