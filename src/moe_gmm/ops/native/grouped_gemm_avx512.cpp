@@ -72,10 +72,11 @@ constexpr int64_t kTNPackRows = 384;
 // GFLOP/s, 64 263-387, 1024 200-368.
 constexpr int64_t kNNDepthChunk = 256;
 // ... unless the weight's rows are 8 KiB apart or a larger power of two: then a chunk's strip (and
-// the next chunk, read ahead) would fall into a few L2 sets (sets repeat every 128 KiB on these
-// CPUs: 1-2 MiB of 8-16 ways) and every block would fetch it again. The chunk keeps at most 8 of a
-// set's lines (E64 k8 T512 down, K512 N2048 float32, 64 rows per expert: 49.1 against 88.9 ms on an
-// Intel Xeon, as fast as weight rows padded by one line; every other results case even).
+// the next chunk, read ahead) would fall into a few L2 sets (sets repeat every 128 KiB on a 2 MiB
+// 16-way L2 or a 1 MiB 8-way one, 64 KiB on a 1 MiB 16-way one) and every block would fetch it
+// again. The chunk keeps at most 8 of a set's lines at a 128 KiB period (E64 k8 T512 down, K512
+// N2048 float32, 64 rows per expert: 49.1 against 88.9 ms on an Intel Xeon, as fast as weight rows
+// padded by one line; every other results case even; not measured on AMD).
 inline int64_t nn_depth_chunk(int64_t row_bytes) {
   const int64_t alias = row_bytes & -row_bytes;  // the largest power of two dividing the row stride
   if (alias < 8192) return kNNDepthChunk;
