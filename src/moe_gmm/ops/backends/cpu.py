@@ -140,15 +140,21 @@ BF16_ALIGN = 32  # the native bfloat16 kernels take reduced and output widths of
 # nn (forward of [E, K, N], grad_input of [E, N, K]): even at 16-64 rows (16: 42.4/38.1,
 # 16.8/18.7, 10.7/9.5), the GEMMs ahead from 96 (8.7/6.9, 3.8/3.4, 1.65/1.64). On the results set
 # 32 ran up to 1.16x faster than 64 (E64 k8 T512 gate_up forward 24.3 against 28.3 ms), and 64
-# than 160 by 1.05-1.1x.
-AMX_NN_MAX_ROWS = 32
+# than 160 by 1.05-1.1x. On a second, slower Intel VM (its bf16 GEMM peak 700-1400 GFLOP/s), with
+# all three AMX limits at 256 against 32/192/128, taking turns in alternating order (median of 7
+# paired rounds): forward E128 k2 T4096 1.16-1.21x, E64 k8 T512 H2048 1.12-1.24x, skewed
+# 1.06-1.18x faster, grad_input and grad_weight even (0.98-1.04x); and an E8 layer (about 128 rows
+# per expert, which then no longer reach oneDNN) 1.39x -> 1.46x faster than transformers' block in
+# bf16 fwd+bwd, its resident peak 1.80x -> 1.57x the budget (oneDNN's kernels for its shapes gone).
+AMX_NN_MAX_ROWS = 256
 # nt (the other two): the kernel ahead to 192 rows (4.3/4.9 and 1.26/1.37 at K = N = 1024 and
 # K256), even at 256; the GEMMs 1.5x faster at 1024 rows (E8 k2 T4096 grad_input 6.1 against 8.9).
-AMX_NT_MAX_ROWS = 192
+# 256 with the other two (above).
+AMX_NT_MAX_ROWS = 256
 # tn (grad_weight): oneDNN ran 48-64-row products slowly (K = N = 1024, 48 rows: 23.5 against 10.3
 # ms); 128 was the fastest limit on 3 of the 4 results cases with 64-row experts (E128 k2 T4096
-# gate_up 21.5 ms, against 24.0 at 96 and 28.8 at 64).
-AMX_GRAD_WEIGHT_MAX_ROWS = 128
+# gate_up 21.5 ms, against 24.0 at 96 and 28.8 at 64). 256 with the other two (above).
+AMX_GRAD_WEIGHT_MAX_ROWS = 256
 # The bfloat16 kernels on AVX-512 BF16 where AMX is missing (or USE_AMX is False). Against one
 # oneDNN GEMM per expert on a thread (AMD EPYC Zen 5, 2 threads, uniform experts; ms oneDNN/kernel):
 # nn: K1024 N512 4 rows 21.2/7.2, 16 rows 21.4/7.8; K = N = 1024 32 rows 21.3/13.3, 64 rows

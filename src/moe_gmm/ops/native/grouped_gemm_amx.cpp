@@ -26,7 +26,8 @@
 // Measured against a oneDNN loop (2 threads, experts of 64 rows, K = N = 1024): tn 1.5-2x and nn
 // 1.1x faster. With more rows per expert oneDNN, one GEMM per expert on a thread of its own
 // (experts_mm.cpp), catches up: the Python side gives each kernel experts up to a row limit of its
-// own (nn 32, nt 192, tn 128 rows; ops/backends/cpu.py) and the rest to experts_mm.
+// own (256 rows each since a second Intel VM measured them; ops/backends/cpu.py) and the rest to
+// experts_mm.
 //
 // Ops (namespace moe_gmm_native); group_ends[E] int64 on the host: expert e owns rows
 // [group_ends[e-1], group_ends[e]). Every operand is bfloat16 with a contiguous last dimension,
