@@ -637,6 +637,9 @@ def test_avx512_grad_weight_does_not_depend_on_thread_count(avx512, monkeypatch,
 # with a shorter last chunk
 @example(counts=[20, 0, 70], k=300, n=2048, max_rows=4096, transposed_weight=False, seed=6)
 @example(counts=[7, 40], k=150, n=4096, max_rows=4096, transposed_weight=False, seed=7)
+# tasks of 1024 and 512 columns (experts of at most 32 rows): nn's chunks of 64 and 128 rows keep a
+# chunk's bytes down (kNNChunkBytes), with a shorter last chunk
+@example(counts=[5, 0, 30, 12], k=300, n=1536, max_rows=4096, transposed_weight=False, seed=8)
 # a reduction of 434 canceling to small outputs: one chain of 434 float32 sums was 4x less accurate
 # than the eager loop here
 @example(counts=[0, 0, 0, 15, 40], k=2, n=434, max_rows=64, transposed_weight=False, seed=19587)

@@ -71,22 +71,34 @@ constexpr int64_t kTNPackRows = 384;
 // whole depth (2 threads, experts of 64-1024 rows, K1024 N512, standalone): 256 ran 291-414
 // GFLOP/s, 64 263-387, 1024 200-368.
 constexpr int64_t kNNDepthChunk = 256;
-// ... unless the weight's rows are 8 KiB apart or a larger power of two: then a chunk's strip (and
-// the next chunk, read ahead) would fall into a few L2 sets (sets repeat every 128 KiB on a 2 MiB
-// 16-way L2 or a 1 MiB 8-way one, 64 KiB on a 1 MiB 16-way one) and every block would fetch it
-// again. The chunk keeps at most 8 of a set's lines at a 128 KiB period (E64 k8 T512 down, K512
+// ... and at most this many bytes of the weight per chunk (its rows across the task's columns). The
+// blocks read the next chunk ahead while they compute, so a chunk and the next are in L2 at once: a
+// task of 1024 float32 columns (experts of up to 32 rows) 256 deep is 1 MiB, and with the next one
+// it filled a 2 MiB L2, evicting lines before the blocks got to them. 256 KiB against 1 MiB (Intel
+// Xeon, 2 threads, E30-E244 experts of 256 MiB of weight in all, taking turns in one process,
+// bit-identical): K256 N1024, K1024 N1024 and K2048 N1024 with 1-16 rows 1.31-1.38x, 48 rows
+// 1.09-1.23x; K512 N2048 1.14x; 512-column tasks 0.98-1.11x (4 KiB rows) and 1.02-1.05x (2 KiB).
+// Not measured on AMD, whose 1 MiB L2 held even less of the larger chunks.
+constexpr int64_t kNNChunkBytes = int64_t(256) << 10;
+// ... and shorter where the weight's rows are 8 KiB apart or a larger power of two: then a chunk's
+// strip (and the next chunk, read ahead) would fall into a few L2 sets (sets repeat every 128 KiB on
+// a 2 MiB 16-way L2 or a 1 MiB 8-way one, 64 KiB on a 1 MiB 16-way one) and every block would fetch
+// it again. The chunk keeps at most 8 of a set's lines at a 128 KiB period (E64 k8 T512 down, K512
 // N2048 float32, 64 rows per expert: 49.1 against 88.9 ms on an Intel Xeon, as fast as weight rows
 // padded by one line; every other results case even; not measured on AMD).
-inline int64_t nn_depth_chunk(int64_t row_bytes) {
-  const int64_t alias = row_bytes & -row_bytes;  // the largest power of two dividing the row stride
-  if (alias < 8192) return kNNDepthChunk;
-  return std::max<int64_t>(32, std::min<int64_t>(kNNDepthChunk, (int64_t(1) << 20) / alias));
-}
 // nn blocks: the terms summed in registers before the partial sums are added to the output. Against
 // one chain over the depth (forward and grad_input, experts of 64-1024 rows, 3 turns): 64 cost
 // 3-12%, 128 0-8%; in 61 random reductions of 1100 terms to 2 outputs, 8 and 10 came out more than
 // 1e-5 from MKL's loop, against 32 with one chain (and 4 with the dot products).
 constexpr int64_t kPartialDepth = 64;
+// The depth chunk of nn_blocks (the rules above): a multiple of kPartialDepth unless the rows are
+// 32 KiB apart or more, so that the sums are the same as over one chunk.
+inline int64_t nn_depth_chunk(int64_t row_bytes, int64_t task_bytes) {
+  const int64_t alias = row_bytes & -row_bytes;  // the largest power of two dividing the row stride
+  const int64_t by_alias = alias < 8192 ? kNNDepthChunk : std::max<int64_t>(32, (int64_t(1) << 20) / alias);
+  const int64_t by_bytes = std::max<int64_t>(1, kNNChunkBytes / std::max<int64_t>(task_bytes, 1) / kPartialDepth) * kPartialDepth;
+  return std::min({kNNDepthChunk, by_alias, by_bytes});
+}
 // nt: experts of this many rows or more take the nn blocks over 64 x 256 blocks of the weight
 // transposed in L2 (the dot products the few-row nt had then summed each output through a permute
 // tree, and loaded every vector masked).
@@ -298,7 +310,7 @@ void nn_blocks(const float* x, int64_t ldx, int64_t rows, const float* w, int64_
   if (depth == 0)  // an empty sum: the blocks would write nothing
     for (int64_t r = 0; r < rows; ++r) std::memset(o + r * ldo, 0, cols * sizeof(float));
   const int64_t blocks = (rows + kRows - 1) / kRows, strips = (cols + kColumns - 1) / kColumns;
-  const int64_t depth_chunk = nn_depth_chunk(ldw * int64_t(sizeof(float)));
+  const int64_t depth_chunk = nn_depth_chunk(ldw * int64_t(sizeof(float)), cols * int64_t(sizeof(float)));
   for (int64_t k0 = 0; k0 < depth; k0 += depth_chunk) {
     const int64_t chunk = std::min(depth_chunk, depth - k0);
     const bool last = k0 + depth_chunk >= depth;
