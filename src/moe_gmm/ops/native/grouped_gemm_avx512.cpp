@@ -77,7 +77,7 @@ constexpr int64_t kNNDepthChunk = 256;
 // it filled a 2 MiB L2, evicting lines before the blocks got to them. 256 KiB against 1 MiB (Intel
 // Xeon, 2 threads, E30-E244 experts of 256 MiB of weight in all, taking turns in one process,
 // bit-identical): K256 N1024, K1024 N1024 and K2048 N1024 with 1-16 rows 1.31-1.38x, 48 rows
-// 1.09-1.23x; K512 N2048 1.14x; 512-column tasks 0.98-1.11x (4 KiB rows) and 1.02-1.05x (2 KiB).
+// 1.09-1.23x, 128-256 rows 0.98-1.11x; K512 N2048 1.14-1.15x; N512 (2 KiB rows) 0.99-1.05x.
 // Not measured on AMD, whose 1 MiB L2 held even less of the larger chunks.
 constexpr int64_t kNNChunkBytes = int64_t(256) << 10;
 // ... and shorter where the weight's rows are 8 KiB apart or a larger power of two: then a chunk's
@@ -96,7 +96,8 @@ constexpr int64_t kPartialDepth = 64;
 inline int64_t nn_depth_chunk(int64_t row_bytes, int64_t task_bytes) {
   const int64_t alias = row_bytes & -row_bytes;  // the largest power of two dividing the row stride
   const int64_t by_alias = alias < 8192 ? kNNDepthChunk : std::max<int64_t>(32, (int64_t(1) << 20) / alias);
-  const int64_t by_bytes = std::max<int64_t>(1, kNNChunkBytes / std::max<int64_t>(task_bytes, 1) / kPartialDepth) * kPartialDepth;
+  const int64_t partials = kNNChunkBytes / std::max<int64_t>(task_bytes, 1) / kPartialDepth;
+  const int64_t by_bytes = std::max<int64_t>(1, partials) * kPartialDepth;
   return std::min({kNNDepthChunk, by_alias, by_bytes});
 }
 // nt: experts of this many rows or more take the nn blocks over 64 x 256 blocks of the weight
