@@ -120,11 +120,14 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def per_round(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every round's GB/s per order, compactly: ``{"orders": [...], "rounds_gbps": [[...], ...]}``."""
+    """Every round's GB/s per order, compactly: ``{"orders": [...], "rounds_gbps": [[...], ...]}``.
+
+    Three significant digits, not a fixed number of decimals: a round stalled by the OS can run
+    at a few MB/s, which must not print as a rate of zero."""
     orders = list(dict.fromkeys(r["order"] for r in records))
     rounds: dict[int, dict[str, float]] = {}
     for r in records:
-        rounds.setdefault(r["round"], {})[r["order"]] = round(r["gbps"], 1)
+        rounds.setdefault(r["round"], {})[r["order"]] = float(f"{r['gbps']:.3g}")
     return {"orders": orders, "rounds_gbps": [[rd[o] for o in orders] for _, rd in sorted(rounds.items())]}
 
 

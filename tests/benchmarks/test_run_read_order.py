@@ -45,6 +45,11 @@ def test_summary_compares_each_round_with_its_own_front_to_back_read():
     }
 
 
+def test_per_round_keeps_a_stalled_round_positive():
+    rates = ro.per_round(_records([(16.54, 0.0312)]))["rounds_gbps"]
+    assert rates == [[16.5, 0.0312]]
+
+
 def test_summary_without_fast_rounds():
     s = ro.summarize(_records([(40.0, 30.0)]))
     assert s["fast_rounds"] == 0 and s["orders"]["strips"]["vs_sequential_fast_median"] is None
