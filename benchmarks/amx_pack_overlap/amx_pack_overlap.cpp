@@ -28,7 +28,11 @@
 #include <thread>
 #include <vector>
 
+#include "../../src/moe_gmm/ops/native/simd_transpose.h"  // interleave_rows, the kernel's own
+
 namespace {
+
+using moe_gmm_simd::interleave_rows;
 
 int rows = 64, experts = 128, depth = 1024, width = 1024, chunk = 128;
 uint16_t *weight, *input, *output;
@@ -51,20 +55,6 @@ void pin(int core) {
   CPU_ZERO(&set);
   CPU_SET(core, &set);
   pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-}
-
-// Two weight rows as VNNI pairs, 32 columns at a time.
-void interleave_rows(const uint16_t* r0, const uint16_t* r1, uint16_t* dst, int n) {
-  alignas(64) static const uint16_t low[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t high[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i lo = _mm512_load_si512(low), hi = _mm512_load_si512(high);
-  for (int j = 0; j < n; j += 32) {
-    const __m512i a = _mm512_loadu_si512(r0 + j), b = _mm512_loadu_si512(r1 + j);
-    _mm512_storeu_si512(dst + 2 * j, _mm512_permutex2var_epi16(a, lo, b));
-    _mm512_storeu_si512(dst + 2 * j + 32, _mm512_permutex2var_epi16(a, hi, b));
-  }
 }
 
 // Rows [k0, k0 + chunk) of an expert's weight into panel[chunk / 2][width][2], 32 rows at a time
