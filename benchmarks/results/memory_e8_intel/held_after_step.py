@@ -24,17 +24,9 @@ import torch
 
 from moe_gmm.bench import memory
 from moe_gmm.bench.harness import _timed_callable
+from moe_gmm.bench.moe_layer import case_set
 from moe_gmm.ops import host_cache, native
 
-CASE = {
-    "num_experts": 8,
-    "num_tokens": 512,
-    "top_k": 2,
-    "hidden": 1024,
-    "intermediate": 256,
-    "shared_intermediate": 256,
-}
-TINY = {"num_experts": 8, "num_tokens": 8, "top_k": 2, "hidden": 16, "intermediate": 8, "shared_intermediate": 8}
 FRAME = re.compile(r"(?P<lib>[^/\s(]+\.so[.\d]*)\((?P<sym>[^)+]*)\+0x(?P<off>[0-9a-f]+)\)")
 
 
@@ -80,8 +72,9 @@ def main() -> None:
     dtype, out = sys.argv[1], Path(sys.argv[2])
     shim = ctypes.CDLL(None)
     torch.set_num_threads(2)
-    spec = {"case": CASE, "dtype": dtype, "impl": "moe_gmm"}
-    memory._prime(memory._moe_layer_workload({**spec, "case": TINY}))
+    (e8,) = [case for case in case_set("experts") if case.num_experts == 8]
+    spec = {"case": e8.params(), "dtype": dtype, "impl": "moe_gmm"}
+    memory._prime(memory._moe_layer_workload(memory._tiny_moe_layer(spec)))
     build, grad_out = memory._moe_layer_workload(spec)
     gc.collect()
     memory._trim_heap()
