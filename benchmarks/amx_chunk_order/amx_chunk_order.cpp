@@ -34,9 +34,7 @@ namespace {
 constexpr int64_t kWidth = 512;  // the kernel's nn panel
 
 struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
@@ -59,6 +57,12 @@ inline void multiply_block(const uint16_t* a, int64_t lda, const uint16_t* b, in
   }
 }
 
+void zero_sums() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
 void load_sums(const float* c) {
   _tile_loadd(0, c, kWidth * 4);
   _tile_loadd(1, c + 16, kWidth * 4);
@@ -95,28 +99,32 @@ void multiply_tall(const ATile& a_tile, int64_t a_ld, const uint16_t* b, int64_t
   }
 }
 
-#define TALL_SUMS(op, c)                       \
-  op(0, (c), kWidth * 4);                      \
-  op(1, (c) + 16 * kWidth, kWidth * 4);        \
-  op(2, (c) + 32 * kWidth, kWidth * 4);        \
-  op(3, (c) + 48 * kWidth, kWidth * 4)
+void load_tall_sums(const float* c) {
+  _tile_loadd(0, c, kWidth * 4);
+  _tile_loadd(1, c + 16 * kWidth, kWidth * 4);
+  _tile_loadd(2, c + 32 * kWidth, kWidth * 4);
+  _tile_loadd(3, c + 48 * kWidth, kWidth * 4);
+}
+void store_tall_sums(float* c) {
+  _tile_stored(0, c, kWidth * 4);
+  _tile_stored(1, c + 16 * kWidth, kWidth * 4);
+  _tile_stored(2, c + 32 * kWidth, kWidth * 4);
+  _tile_stored(3, c + 48 * kWidth, kWidth * 4);
+}
 
 // One pass over the whole depth in chunks of `chunk` rows, the same packed chunk reused (its
 // packing is not what is timed here).
-void run(Order order, const std::vector<uint16_t>& input, const std::vector<uint16_t>& tiled_input, int64_t rows, int64_t depth, int64_t chunk,
-         const std::vector<uint16_t>& packed, std::vector<float>& sums) {
+void run(Order order, const std::vector<uint16_t>& input, const std::vector<uint16_t>& tiled_input, int64_t rows,
+         int64_t depth, int64_t chunk, const std::vector<uint16_t>& packed, std::vector<float>& sums) {
   if (order == kTall || order == kTallTiledInput) {
     for (int64_t k0 = 0; k0 < depth; k0 += chunk)
       for (int64_t mb = 0; mb < rows / 64; ++mb)
         for (int64_t nb = 0; nb < kWidth; nb += 16) {
           float* part = sums.data() + mb * 64 * kWidth + nb;
           if (k0 == 0) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_sums();
           } else {
-            TALL_SUMS(_tile_loadd, part);
+            load_tall_sums(part);
           }
           const uint16_t* b = packed.data() + nb * 2;
           if (order == kTall) {
@@ -126,7 +134,7 @@ void run(Order order, const std::vector<uint16_t>& input, const std::vector<uint
             const uint16_t* a = tiled_input.data() + mb * 64 * depth + (k0 / 32) * 2048;
             multiply_tall([&](int r, int64_t d) { return a + (d / 32) * 2048 + r * 512; }, 64, b, chunk);
           }
-          TALL_SUMS(_tile_stored, part);
+          store_tall_sums(part);
         }
     return;
   }
@@ -136,10 +144,7 @@ void run(Order order, const std::vector<uint16_t>& input, const std::vector<uint
   auto block = [&](int64_t mb, int64_t nb, int64_t k0) {
     float* part = sums.data() + mb * 32 * kWidth + nb;
     if (k0 == 0) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      zero_sums();
     } else {
       load_sums(part);
     }
