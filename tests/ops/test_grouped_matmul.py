@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from moe_gmm import grouped_matmul
 from moe_gmm.testing import gmm_inputs, reference_grouped_matmul, reference_grouped_matmul_grads
-from tests.ops.gmm_cases import cpu_backend_names, run_and_check
+from tests.helpers.gmm_cases import cpu_backend_names, run_and_check
 
 BACKENDS = cpu_backend_names()
 

@@ -12,7 +12,7 @@ import torch
 from moe_gmm import grouped_matmul
 from moe_gmm.ops.grouped_matmul import _grad_input_op, _grad_weight_op, _grouped_matmul_op
 from moe_gmm.testing import gmm_inputs
-from tests.ops.gmm_cases import cpu_backend_names
+from tests.helpers.gmm_cases import cpu_backend_names
 
 
 @pytest.mark.parametrize("backend", cpu_backend_names())

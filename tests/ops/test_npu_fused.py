@@ -12,7 +12,7 @@ import torch
 
 from moe_gmm.ops import npu_fused, permute, swiglu, unpermute
 from moe_gmm.testing import routing_ids
-from tests.ops.backends import npu_emulator
+from tests.helpers import npu_emulator
 
 T, K_TOP, H, E = 12, 3, 8, 7
 

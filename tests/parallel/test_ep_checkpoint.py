@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from moe_gmm.parallel import EPPlan, apply_expert_parallel
 from moe_gmm.parallel.checkpoint import INDEX_NAME, SINGLE_NAME, load_ep_checkpoint, save_ep_checkpoint
 from moe_gmm.parallel.launch import run_ranks
-from tests.parallel.test_ep_model import PATTERN, _model
+from tests.helpers.ep_models import PATTERN
+from tests.helpers.ep_models import tiny_moe_stack as _model
 
 pytestmark = pytest.mark.distributed
 

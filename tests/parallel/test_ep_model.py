@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_gmm.layers import MoeBlockConfig, SparseMoeBlock
 from moe_gmm.parallel import (
     EPPlan,
     apply_expert_parallel,
@@ -22,39 +21,12 @@ from moe_gmm.parallel import (
 )
 from moe_gmm.parallel.launch import run_ranks
 from moe_gmm.testing import relative_error
+from tests.helpers.ep_models import PATTERN
+from tests.helpers.ep_models import tiny_moe_stack as _model
 
 pytestmark = pytest.mark.distributed
 
 LIMIT = 1e-5
-PATTERN = "layers.{*}.mlp.experts"
-
-
-class TinyMoeStack(nn.Module):
-    """Residual stack of MoE blocks plus a dense MLP, named like a decoder (``layers.{i}.mlp``)."""
-
-    def __init__(self, num_experts: int = 8, top_k: int = 2, num_layers: int = 2, hidden: int = 16):
-        super().__init__()
-        cfg = MoeBlockConfig(
-            hidden_size=hidden,
-            num_experts=num_experts,
-            num_experts_per_tok=top_k,
-            moe_intermediate_size=8,
-            shared_expert_intermediate_size=8,
-        )
-        self.layers = nn.ModuleList(nn.ModuleDict({"mlp": SparseMoeBlock(cfg)}) for _ in range(num_layers))
-        self.dense = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = x + layer["mlp"](x)
-        return self.dense(x)
-
-
-def _model(seed: int = 0, **kwargs) -> TinyMoeStack:
-    torch.manual_seed(seed)  # the same replica on every rank
-    return TinyMoeStack(**kwargs)
-
-
 def _setup_errors(rank: int, ep: int) -> dict[str, str]:
     """Each bad setup must raise ValueError on every rank at once (the next case would hang otherwise)."""
     cases = {

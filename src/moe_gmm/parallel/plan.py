@@ -193,12 +193,3 @@ class EPPlan:
             num_chunks=getattr(ep_plan, "num_chunks", 2),
         )
 
-
-def __getattr__(name: str):
-    # ``apply_expert_parallel`` lives in ``moe_gmm.parallel.apply`` (it needs the dispatchers, which
-    # need nothing from here); it is also reachable from this module, where the plan is defined.
-    if name == "apply_expert_parallel":
-        from moe_gmm.parallel.apply import apply_expert_parallel
-
-        return apply_expert_parallel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_gmm.ops.backends import get_backend
 from moe_gmm.testing import assert_rel_close, gmm_inputs, reference_grouped_matmul, reference_grouped_matmul_grads
-from tests.ops.gmm_cases import cpu_backend_names
+from tests.helpers.gmm_cases import cpu_backend_names
 
 BACKENDS = cpu_backend_names()
 

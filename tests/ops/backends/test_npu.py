@@ -21,7 +21,7 @@ from moe_gmm.testing import (
     reference_grouped_matmul_grads,
     tolerance_for,
 )
-from tests.ops.backends import npu_emulator
+from tests.helpers import npu_emulator
 
 
 @pytest.fixture(params=["cumsum", "count"])

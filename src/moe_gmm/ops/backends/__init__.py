@@ -34,7 +34,7 @@ BACKEND_ENV_VAR = "MOE_GMM_BACKEND"
 _BUILTIN_MODULES: dict[str, str] = {
     "eager": "moe_gmm.ops.backends.eager",
     "cpu": "moe_gmm.ops.backends.cpu",
-    "torch": "moe_gmm.ops.backends.torch_native",
+    "torch": "moe_gmm.ops.backends.torch_grouped_mm",
     "triton": "moe_gmm.ops.backends.triton",
     "npu": "moe_gmm.ops.backends.npu",
 }

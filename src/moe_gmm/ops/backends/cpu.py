@@ -75,7 +75,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_gmm.ops import host_cache, native
-from moe_gmm.ops.backends import eager, torch_native
+from moe_gmm.ops.backends import eager, torch_grouped_mm
 from moe_gmm.ops.backends.base import GmmBackend, host_bounds
 from moe_gmm.ops.row_copy import gather_rows, zero_rows_
 
@@ -369,8 +369,8 @@ def _loop_for(w_EKN: torch.Tensor, out_rows: int, out_width: int) -> GmmBackend:
         return eager.BACKEND
     k, n = w_EKN.shape[1], w_EKN.shape[2]
     probe_x, probe_w = torch.empty(0, k, dtype=w_EKN.dtype), torch.empty(0, k, n, dtype=w_EKN.dtype)  # shapes only
-    if torch_native.BACKEND.refusal(probe_x, probe_w) is None:
-        return torch_native.BACKEND
+    if torch_grouped_mm.BACKEND.refusal(probe_x, probe_w) is None:
+        return torch_grouped_mm.BACKEND
     return eager.BACKEND
 
 
