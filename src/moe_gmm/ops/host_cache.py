@@ -3,9 +3,8 @@
 Why: a CPU tensor of more than a few MiB is served by a fresh ``mmap``, and the kernel faults in
 and zeroes every page on first touch. In a training step the weight gradient (``[E, K, N]``, tens to
 hundreds of MiB) and the permuted activations are such tensors, freed and allocated again every
-step. On the benchmark machine faulting in a 64 MiB bf16 weight gradient took 20 ms while computing
-it took 7 ms (``benchmarks/RESULTS.md``); a GPU caching allocator exists for exactly this, torch's
-CPU allocator has none.
+step. Faulting in a weight gradient took longer than computing it (``docs/cpu_kernels.md``); a GPU
+caching allocator exists for exactly this, torch's CPU allocator has none.
 
 How: :func:`empty` hands out tensors on storages this cache keeps. A storage is handed out again
 only when the cache holds the *last* reference to it (storage use count 1, and no Python

@@ -72,7 +72,7 @@ def _(x):
 
 def _swiglu_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # First-order only, like grouped_matmul: silu_backward computes dy * d silu(g)/dg in one fused
-    # pass (3x faster on CPU than spelling out the sigmoid terms) but has no derivative itself.
+    # pass (faster on CPU than spelling out the sigmoid terms) but has no derivative itself.
     acc = _acc_dtype(x.dtype)
     x_R2I, dy_RI = _as_rows(x), _as_rows(grad_out)
     half = x_R2I.shape[1] // 2

@@ -7,11 +7,8 @@ Padded rows. The grouped matmul's CPU kernels read a few-row expert's weight in 
 line of each row in turn. When rows lie a multiple of 1-4 KiB apart (a contiguous float32
 ``[E, K, N]`` with N = 512 or 1024), every line of a strip falls in the same few sets of the core's
 caches, which then hold a small part of what is read ahead. One cache line of padding per row
-spreads them out. On the benchmark machine the forward of 16-row float32 experts (E256, K1024 N512
-and K256 N1024) ran 1.2-1.3x faster on the same values, and an E256 layer's forward 1.21x, fwd+bwd
-1.04-1.12x, until the forward kernels came to read the weight ahead in address order; since then
-padding gains 0.91-1.08x in the float32 forward and 1.04-1.19x in its grad_input. bf16 gained
-nothing (``benchmarks/RESULTS.md``, AMD EPYC items 11, "Padded expert rows", and 17). Results are
+spreads them out. float32 few-row experts gained from it, less since the forward kernels read the
+weight ahead in address order; bf16 gained nothing (``docs/cpu_kernels.md``). Results are
 identical bit for bit.
 
 Transposed storage. Hugging Face experts keep ``[E, out, in]`` weights (``nn.Linear``'s order),
@@ -75,7 +72,7 @@ def pad_rows(weight: torch.Tensor, pad: int | None = None) -> torch.Tensor:
 
     ``pad`` defaults to :func:`default_row_pad`, one cache line, the pad measured best: rows no
     longer 16-byte aligned leave the fused kernels' fastest paths, and with half a line (16 bf16) the
-    E256 bf16 cases ran 0.52-0.93x as fast as contiguous. The storage grows by ``pad`` elements per row.
+    bf16 cases ran slower than contiguous. The storage grows by ``pad`` elements per row.
     """
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")

@@ -2,22 +2,17 @@
 // float32), whole experts shared between the threads, each GEMM on one thread.
 //
 // Why: a per-expert loop lets every GEMM split itself between torch's threads, and for some row
-// counts oneDNN's split leaves one of two threads idle: bfloat16 K = N = 1024 took 1.32 ms at
-// 1024-1408 rows against 0.65 ms at 896, the time it takes on one thread (K1024 N512: 512-1024
-// rows; the transposed-weight product at K512: 512-1024). Whole experts per thread avoid the
-// split, and the threads' fork and join once per expert with it (E8 with 1024 rows each, bfloat16
-// K = N = 1024, 2 threads: 5.6 against 11.4 ms for the loop).
+// counts oneDNN's split leaves one of two threads idle (the one-thread time). Whole experts per
+// thread avoid the split, and the threads' fork and join once per expert with it.
 // The weight gradient a^T @ b is given oneDNN with a^T as a contiguous matrix: with the
-// transposed view it ran 1.9x slower (1024 rows, K = N = 1024, one thread: 2.52 against 1.36 ms),
-// and transposing into a per-thread buffer costs a few percent of that.
-// oneDNN (the 16-bit types) compiles and keeps a kernel for every GEMM shape, about 0.5 MiB each:
-// one GEMM per expert at its own row count held 46 MiB more at E64 with 40-90 rows per expert
-// (bf16 layer, 1.34x its memory budget against 1.16x), and a new routing would bring new shapes,
-// and new compiles, every step. So a 16-bit expert of fewer than kExactRows rows runs on its rows
+// transposed view it ran far slower, and transposing into a per-thread buffer costs little.
+// oneDNN (the 16-bit types) compiles and keeps a kernel for every GEMM shape: one GEMM per expert
+// at its own row count held much more memory, and a new routing would bring new shapes, and new
+// compiles, every step. So a 16-bit expert of fewer than kExactRows rows runs on its rows
 // rounded up to a multiple of 32, the extra rows zero rows of per-thread scratch (their products
 // dropped, or summed as zeros): at most 16 shapes per weight shape and pass. Larger experts
-// keep their row count: copying their rows through scratch cost 15-20% at E8 with 1024 rows each,
-// and there are few of them per step.
+// keep their row count: copying their rows through scratch cost more than the shapes they save,
+// and there are few of them per step. Measurements: docs/cpu_kernels.md.
 //
 // Ops (namespace moe_gmm_native); group_ends[E] int64 on the host: expert e owns rows
 // [group_ends[e-1], group_ends[e]). Operands share one dtype and live on the CPU; b may have any
@@ -100,7 +95,7 @@ int64_t gemm_rows(int64_t rows, bool sixteen_bit) {
 }
 
 // A per-thread scratch matrix of at least rows x cols, reused across calls (grown when needed).
-// A tensor's storage: 64-byte aligned (a std::vector's 16-byte alignment made oneDNN 2x slower).
+// A tensor's storage: 64-byte aligned (a std::vector's 16-byte alignment made oneDNN slower).
 at::Tensor scratch(at::Tensor& buffer, int64_t rows, int64_t cols, const at::TensorOptions& options) {
   if (!buffer.defined() || buffer.numel() < rows * cols || buffer.scalar_type() != options.dtype())
     buffer = at::empty({rows * cols}, options);

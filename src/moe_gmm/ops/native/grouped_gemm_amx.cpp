@@ -1,32 +1,28 @@
 // bfloat16 grouped GEMM on Intel AMX: the three products of the grouped matmul, each expert's rows
 // multiplied by its own weight, every expert in one parallel region.
 //
-// Why: oneDNN reaches 450-700 GFLOP/s on the row counts MoE experts get (64 rows, 2 threads)
-// against 2800+ on one large GEMM, and a loop pays a kernel setup and a thread fork/join per
+// Why: oneDNN runs the row counts MoE experts get far below its rate on one large GEMM (the
+// figures are in docs/cpu_kernels.md), and a loop pays a kernel setup and a thread fork/join per
 // expert. Here the threads split (expert, panel) tasks by cost once per call; each task packs its
 // operand into AMX's pair-interleaved (VNNI) layout in L2, reading the weight from memory once,
 // and multiplies with 2 x 2 tiles of 16 x 16 float32 accumulators.
 //   nt: the weight's rows are already what an A tile holds (reduced dimension contiguous), so the
 //       tiles load them straight from memory and the expert's few input rows are packed instead;
 //       the product is out^T, transposed 32 x 32 at a time (weight_rows_product). Building a
-//       VNNI panel of the weight with 16 x 16 transposes instead ran 1.3-1.7x slower (E256 with
-//       4-16 rows each, K1024 N512: 22.3-23.4 against 13.9-16.7 ms).
+//       VNNI panel of the weight with 16 x 16 transposes instead ran slower.
 //   nn, tn: the 512-wide (nn) or 256-wide (tn) panel is read in chunks of row segments, 32 rows
-//       at a time (32 memory streams in flight: 2 rows at a time ran 1.1-1.2x slower), float32
+//       at a time (32 memory streams in flight: 2 rows at a time ran slower), float32
 //       partial sums kept in L2 between chunks (chunked_product). Reading two rows' segments per
-//       step into a whole-depth panel instead ran 22.4 against 18.1 ms at E256 with 4 rows each
-//       (K1024 N512); tn's partial sums over 1024 columns at once (1 MiB) ran 1.4x slower than in
-//       256-column blocks.
+//       step into a whole-depth panel instead ran slower; so did tn's partial sums over 1024
+//       columns at once (1 MiB) against 256-column blocks.
 //   nn for experts of at most 16 rows: no packing at all. The weight's rows go straight into B
 //       tiles, read as pairs of adjacent columns, and each product runs twice, against the input
 //       spread into the pairs' first and second places (spread_product): twice the tile arithmetic,
 //       which few rows leave idle anyway. The weight is read in bands of 16 full rows with the
-//       next band prefetched. 1.1-1.2x faster than chunked_product at 4-16 rows (E256, K1024 N512)
-//       before the bands (1.3-1.45x since), slower from 32 rows.
-// Measured against a oneDNN loop (2 threads, experts of 64 rows, K = N = 1024): tn 1.5-2x and nn
-// 1.1x faster. With more rows per expert oneDNN, one GEMM per expert on a thread of its own
-// (experts_mm.cpp), catches up: the Python side gives each kernel experts up to a row limit of its
-// own (256 rows each since a second Intel VM measured them; ops/backends/cpu.py) and the rest to
+//       next band prefetched. Faster than chunked_product at 4-16 rows, slower from 32 rows.
+// All three are ahead of a oneDNN loop on 64-row experts. With more rows per expert oneDNN, one
+// GEMM per expert on a thread of its own (experts_mm.cpp), catches up: the Python side gives each
+// kernel experts up to a row limit of its own (ops/backends/cpu/tuning.py) and the rest to
 // experts_mm.
 //
 // Ops (namespace moe_gmm_native); group_ends[E] int64 on the host: expert e owns rows
@@ -123,7 +119,7 @@ struct TileScope {
 
 // 32 float32 -> 32 bfloat16 (round to nearest even). Streaming stores skip reading the
 // destination's lines first: tn's output (a weight gradient) is written once and is the largest
-// stream of the call (E256 with 4 rows each: 11.7 against 33.6 ms with ordinary stores).
+// stream of the call (ordinary stores read every line in first).
 template <bool Streaming>
 inline void store_bf16(const float* src, uint16_t* dst) {
   const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
@@ -226,7 +222,7 @@ void chunked_product(const uint16_t* a, int64_t lda, int64_t rows, const RowOf& 
 // The VNNI form of a's rows for B tiles: a[rows][pairs] as 32-bit values (pairs along the reduced
 // dimension), transposed per block of 32 rows to packed[block][pairs][32]; rows past the end are
 // zero. Blocked so that a B tile's 16 rows are 128 bytes apart (a [pairs][rows] layout put them
-// 4 KiB apart at 1024 rows, and ran 1.4-2.5x slower).
+// 4 KiB apart at 1024 rows, and ran slower).
 void pack_rows_as_pairs(const uint32_t* a, int64_t lda, int64_t rows, int64_t pairs, std::vector<uint32_t>& packed) {
   const int64_t blocks = (rows + kBlock - 1) / kBlock;
   packed.resize(blocks * pairs * kBlock);
@@ -338,8 +334,7 @@ inline void prefetch_band(const uint16_t* rows, int64_t ldw, int lines) {
 // The weight is read band by band: 16 rows across the task's whole width, each row front to back,
 // while the next band is requested (software prefetch, 16 rows ahead); the sums of every 32-column
 // block stay in L1 between bands. Reading 128-byte column strips down all the rows instead, with or
-// without prefetches, streamed 13-17 GB/s against 19-30 (E256 with 16 rows each, K1024 N1024:
-// 40.7 against 28.4 ms; 4 rows, K1024 N512: 64.3 against 48.8).
+// without prefetches, streamed the weight more slowly.
 void spread_product(const uint16_t* even, const uint16_t* odd, int64_t ld, int64_t rows, const uint16_t* w, int64_t ldw,
                     int64_t begin, int64_t end, int64_t depth, uint16_t* out, int64_t ldo) {
   constexpr int64_t kTile = kTileRows * kTileRows;  // floats in one 16 x 16 tile
@@ -532,8 +527,7 @@ void amx_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
         transpose_16x16(pairs32 + mp * panel_rows + r, panel_rows, a_t32 + r * (depth / 2) + mp, depth / 2);
     // out[panel] = a_t @ b[rows_e]: b's rows (zero past the expert's) read in chunks as in nn, a
     // block of at most kPanel columns at a time so the float32 partial sums stay at 256 KiB
-    // (with all 1024 columns at once, 1 MiB of them ran 22.7 against 16.6 ms for oneDNN at E32
-    // with 256 rows each).
+    // (with all 1024 columns at once, 1 MiB of them, oneDNN was faster on 256-row experts).
     for (int64_t j = 0; j < width; j += kPanel) {
       const int64_t cols = std::min(kPanel, width - j);
       auto b_row = [&](int64_t m) { return row_of(bp, ldb, m) + (m < rows ? j : 0); };

@@ -2,8 +2,8 @@
 // gradient out[e] = a[rows_e]^T @ b[rows_e], and the products with the weight of experts up to a
 // row limit.
 //
-// Why: MKL runs this product at 160-170 GFLOP/s for experts of 64 rows (2 threads, K = N = 1024)
-// against 440 on one large GEMM, and a loop forks and joins its threads once per expert. Here the
+// Why: MKL runs this product for experts of few rows far below its rate on one large GEMM, and a
+// loop forks and joins its threads once per expert. Here the
 // threads split (expert, 48-row panel of the output) tasks by cost once; each 6 x 64 block of the
 // output is 24 vector accumulators fed by one pass over the expert's rows (a's 6 values broadcast,
 // b's 64 loaded), then stored once: with few rows the output is the largest stream of the call,
@@ -14,7 +14,7 @@
 //   avx512_gemm_supported()                                   built with AVX-512F
 //   avx512_gemm_tn(a[M,R], b[M,J], group_ends, max_rows, out[E,R,J])
 //       out[e] = a[rows_e]^T @ b[rows_e]; zero for an empty expert; experts of more than max_rows
-//       rows are left untouched for the caller (on Intel, past about 128 rows MKL is faster). From
+//       rows are left untouched for the caller (on Intel, past about 128 rows MKL is ahead). From
 //       kTNPackRows rows on, the blocks read copies of a and b made contiguous per task.
 //   avx512_gemm_nn_few_rows(a[M,R], b[E,R,J], group_ends, max_rows, out[M,J])
 //       out[rows_e] = a[rows_e] @ b[e] for experts of 1..max_rows rows, others untouched: 6 x 64
@@ -63,33 +63,27 @@ constexpr int64_t kPanel = 48;
 // tn: experts of this many rows or more copy the task's 48 columns of a, and each 64 columns of b
 // in turn, into a thread's buffers before the blocks pass over them. Their rows are K and N floats
 // apart in the operands: at 4 KiB (K or N = 1024) every row's line of a block falls in one L1 set
-// and a few L2 sets, and each block fetched them again from L3. Against the blocks on the operands
-// (2 threads, taking turns in one process; bit-identical): 1024 rows 1.37-1.48x, 512 rows
-// 1.11-1.22x, 384 0.98-1.25x, 320 0.90-1.12x, 256 0.88-1.07x, 64-192 0.87-1.00x, 16 0.65-0.78x.
+// and a few L2 sets, and each block fetched them again from L3. The copy pays from about 384 rows
+// (bit-identical; docs/cpu_kernels.md).
 constexpr int64_t kTNPackRows = 384;
-// nn for experts of many rows: the depth taken per pass of the 6 x 64 blocks. Against 64 and the
-// whole depth (2 threads, experts of 64-1024 rows, K1024 N512, standalone): 256 ran 291-414
-// GFLOP/s, 64 263-387, 1024 200-368.
+// nn for experts of many rows: the depth taken per pass of the 6 x 64 blocks (faster than 64 or
+// the whole depth).
 constexpr int64_t kNNDepthChunk = 256;
 // ... and at most this many bytes of the weight per chunk (its rows across the task's columns). The
 // blocks read the next chunk ahead while they compute, so a chunk and the next are in L2 at once: a
 // task of 1024 float32 columns (experts of up to 32 rows) 256 deep is 1 MiB, and with the next one
-// it filled a 2 MiB L2, evicting lines before the blocks got to them. 256 KiB against 1 MiB (Intel
-// Xeon, 2 threads, E30-E244 experts of 256 MiB of weight in all, taking turns in one process,
-// bit-identical): K256 N1024, K1024 N1024 and K2048 N1024 with 1-16 rows 1.31-1.38x, 48 rows
-// 1.09-1.23x, 128-256 rows 0.98-1.11x; K512 N2048 1.14-1.15x; N512 (2 KiB rows) 0.99-1.05x.
-// Not measured on AMD, whose 1 MiB L2 held even less of the larger chunks.
+// it filled a 2 MiB L2, evicting lines before the blocks got to them (bit-identical either way;
+// measured on Intel, not on AMD, whose 1 MiB L2 held even less of the larger chunks).
 constexpr int64_t kNNChunkBytes = int64_t(256) << 10;
 // ... and shorter where the weight's rows are 8 KiB apart or a larger power of two: then a chunk's
 // strip (and the next chunk, read ahead) would fall into a few L2 sets (sets repeat every 128 KiB on
 // a 2 MiB 16-way L2 or a 1 MiB 8-way one, 64 KiB on a 1 MiB 16-way one) and every block would fetch
-// it again. The chunk keeps at most 8 of a set's lines at a 128 KiB period (E64 k8 T512 down, K512
-// N2048 float32, 64 rows per expert: 49.1 against 88.9 ms on an Intel Xeon, as fast as weight rows
-// padded by one line; every other results case even; not measured on AMD).
-// nn blocks: the terms summed in registers before the partial sums are added to the output. Against
-// one chain over the depth (forward and grad_input, experts of 64-1024 rows, 3 turns): 64 cost
-// 3-12%, 128 0-8%; in 61 random reductions of 1100 terms to 2 outputs, 8 and 10 came out more than
-// 1e-5 from MKL's loop, against 32 with one chain (and 4 with the dot products).
+// it again. The chunk keeps at most 8 of a set's lines at a 128 KiB period (as fast as weight rows
+// padded by one line; not measured on AMD).
+// nn blocks: the terms summed in registers before the partial sums are added to the output: a
+// little slower than one chain over the depth, and far closer to MKL's loop on long reductions
+// that cancel (in 61 random reductions of 1100 terms to 2 outputs, 8 came out more than 1e-5 from
+// MKL's loop, against 32 with one chain).
 constexpr int64_t kPartialDepth = 64;
 // The depth chunk of nn_blocks (the rules above): a multiple of kPartialDepth unless the rows are
 // 32 KiB apart or more, so that the sums are the same as over one chunk.
@@ -102,26 +96,20 @@ inline int64_t nn_depth_chunk(int64_t row_bytes, int64_t task_bytes) {
 }
 // nt: experts of this many rows or more take the nn blocks over 64 x 256 blocks of the weight
 // transposed in L2 (the dot products the few-row nt had then summed each output through a permute
-// tree, and loaded every vector masked).
-// In one process, taking turns with the dot products alone (grad_input of [E, K, N], ms): E128 k2
-// T4096 gate_up 98.1 -> 51.9, down 48.5 -> 25.6; E64 the same; 64 left E128's 64-row experts half
-// on the dot products (78.9). Since the dot blocks load every vector unmasked, they are ahead below
-// 24 rows (E256, every expert the same rows, paired rounds, gate_up / down: 16 rows 1.26x / 1.40x
-// against the blocks, 20 rows 1.07x / 1.20x, 24-28 rows 0.96-1.07x; E256 k8 T512 routing 1.06-1.10x).
+// tree, and loaded every vector masked). Since the dot blocks load every vector unmasked, they are
+// ahead below 24 rows and even from there.
 constexpr int64_t kNTManyRows = 24;
 // nt: experts of fewer rows than this transpose the weight in blocks 64 deep, so that each block's 64
-// rows x 4 lines can be prefetched by the blocks before it. E256 T512 (16 rows) grad_input: gate_up
-// 24.7 -> 20.4 ms, down 12.6 -> 11.1; E128 k2 T4096 (64 rows) 53.0 -> 50.7; at 128 rows and more
-// (E8, and the skewed routing's large experts) 64 deep ran 2-20% slower: their blocks are bound by
-// the multiply-adds, which pass over each buffer of 256 deep for longer.
+// rows x 4 lines can be prefetched by the blocks before it. At 128 rows and more 64 deep ran
+// slower: their blocks are bound by the multiply-adds, which pass over each buffer of 256 deep for
+// longer.
 constexpr int64_t kNTShallowRows = 128;
 
 inline __mmask16 tail_mask(int64_t n) { return n >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 
 // *p in every lane, loaded into a register first. Left to itself GCC folds _mm512_set1_ps(*p) into
-// the multiply-add as an embedded-broadcast operand ({1to16}), which Zen 5 issues at 40% of the
-// multiply-add rate (16 independent sums: 0.30 against 0.12 ns per multiply-add); a broadcast load
-// is a plain load on every x86 core.
+// the multiply-add as an embedded-broadcast operand ({1to16}), which Zen 5 issues at a fraction of
+// the multiply-add rate; a broadcast load is a plain load on every x86 core.
 inline __m512 broadcast(const float* p) {
   __m512 v = _mm512_set1_ps(*p);
   asm("" : "+v"(v));
@@ -158,8 +146,7 @@ void outer_block(const float* a, int64_t lda, const float* b, int64_t ldb, float
     for (int j = 0; j < NV; ++j) {
       float* ci = c + i * ldc + kLanes * j;
       // A full last vector streams too: as an ordinary store, a quarter of a 64-column block's
-      // lines were read in and cached first (grad_weight of E256 with 4-16 rows per expert 1.2-1.4x
-      // faster streaming them all, 64 rows 1.1x).
+      // lines were read in and cached first.
       if (j == NV - 1 && !(Streaming && tail == __mmask16(0xFFFF))) {
         _mm512_mask_storeu_ps(ci, tail, acc[i][j]);
       } else if constexpr (Streaming) {
@@ -198,10 +185,8 @@ inline void copy_rows(const float* src, int64_t ld_src, int64_t rows, int64_t co
 // MKL's blocked sums stay at 5.8e-6; partial sums of 64: 6.7e-6, of 128: 1.9e-5).
 //
 // With PfLines > 0, lines pf + d * ldp + 16 * v for v < PfLines are prefetched into L2 at depth d: a
-// share of the next block of the weight, requested while this one computes (into L1, E256 forward
-// ran 1.05-1.30x slower at 2-4 rows per expert and on the k8 T128 routing, grad_input 1.05-1.16x at
-// 32-64 rows; even at T512 and E8; paired rounds). With `ahead`, its region is requested a step per
-// depth too.
+// share of the next block of the weight, requested while this one computes (into L1 it ran
+// slower). With `ahead`, its region is requested a step per depth too.
 template <int MR, int NV, int PfLines>
 void nn_block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* c, int64_t ldc, int64_t depth,
               __mmask16 tail, bool accumulate, const float* pf, int64_t ldp, ReadAhead* ahead) {
@@ -278,9 +263,8 @@ inline PrefetchShare prefetch_share(int64_t lines, int64_t blocks, int64_t b) {
 // out[0:rows, 0:width] (+)= x[0:rows, 0:depth] @ w[0:depth, 0:width] for width <= 64: the 6 x 64
 // blocks down the expert's rows (added to out's values with `accumulate`). With `next`, the 64
 // floats at next + d * ldn for d < depth (the weight's next block) are prefetched, the 4 lines of
-// each depth shared out over the blocks: the weight is read once from memory, and a block whose
-// strip arrives on demand waits for it (E128 k2 T4096 forward, 64 rows per expert: 57.3 -> 46.6
-// ms; the lines all in the first block: 16-row experts 0.8x of this). `ahead` (nullptr: none)
+// each depth shared out over the blocks (rather than all in the first block): the weight is read
+// once from memory, and a block whose strip arrives on demand waits for it. `ahead` (nullptr: none)
 // steps once per depth of every block.
 void blocks_down_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth,
                       int64_t width, float* o, int64_t ldo, bool accumulate, const float* next, int64_t ldn,
@@ -301,11 +285,9 @@ void blocks_down_rows(const float* x, int64_t ldx, int64_t rows, const float* w,
 // chunk's 64-column strip of the weight is read from L2 by every 6 rows after the first). Each
 // strip's blocks prefetch the next strip, or after the last one `following` (the next task's
 // first strip, laid out as w; nullptr: none). Each chunk's blocks also request the next chunk (after
-// the last one, `following`'s first) across the task's columns front to back (ReadAhead). Against
-// the blocks without it, taking turns in one process (forward, bit-identical): E256 T512 (6-31
-// rows per expert) gate_up 1.13-1.24x, down 1.06-1.17x; E128 k2 T4096 and E64 k8 T512 (about 64
-// rows) 1.04-1.12x, about half of what weight rows one line longer gain there; E8 and skewed
-// 0.98-1.03x. The same over nt's transposed blocks (the next task's weight rows) ran 0.95-1.06x.
+// the last one, `following`'s first) across the task's columns front to back (ReadAhead): memory
+// serves strips that touch every row at a fraction of a front-to-back read's rate (bit-identical;
+// the same over nt's transposed blocks did not pay).
 void nn_blocks(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t depth, int64_t cols,
                float* o, int64_t ldo, const float* following) {
   if (depth == 0)  // an empty sum: the blocks would write nothing
@@ -373,9 +355,8 @@ void nt_many_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int
 // over depth values: 16 sums of 16 lanes in registers (each x vector loaded serves NJ
 // multiply-adds, each w vector MR), reduced together at the end. With PfRows > 0, rows
 // pf + p * ldw for p < PfRows are prefetched one line per 16 depth values: a share of the weight
-// rows after these, into L2 (`prefetcht1`): into L1 (`t0`) the weight streamed 1.16-1.53x slower
-// at 1-4 rows per expert (E256 grad_input, paired rounds; 1.03-1.07x at 16 rows, 1.06-1.09x with
-// the weight in cache), as if each core then kept fewer lines in flight.
+// rows after these, into L2 (`prefetcht1`): into L1 (`t0`) the weight streamed slower, as if each
+// core then kept fewer lines in flight.
 template <int MR, int NJ, int PfRows>
 void dot_block(const float* x, int64_t lda, const float* w, int64_t ldw, int64_t depth, float* out, int64_t ldo,
                const float* pf) {
@@ -556,11 +537,8 @@ void avx512_gemm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
 //
 // Experts of 1-7 rows used to stream the weight in bands of 16 rows instead (each band prefetched
 // into L1 a band ahead, its vectors multiplied into the expert's output rows in L1). With the
-// blocks' read-ahead the blocks were faster at every row count (E256, paired rounds in one process,
-// gate_up / down forward): 1 row 1.23x / 1.05x, 2-3 rows 1.10-1.28x, 4 rows 1.89x / 1.58x, 6 rows
-// 1.74x / 1.44x; the E256 k8 T128 routing (0-10 rows) 1.26-1.51x; with the weight in cache (one
-// expert's weight shared by all) 2.8-3.1x. The bands' prefetches into L1 kept few lines in flight
-// per core: one thread streamed 9-11 GB/s through them where a sequential sum read 26.
+// blocks' read-ahead the blocks were faster at every row count: the bands' prefetches into L1 kept
+// few lines in flight per core.
 void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends, int64_t max_rows,
                              at::Tensor& out) {
   const int64_t depth = b.size(1), width = b.size(2);
@@ -574,7 +552,7 @@ void avx512_gemm_nn_few_rows(const at::Tensor& a, const at::Tensor& b, const at:
   std::vector<moe_gmm_gemm::Task> tasks;
   std::vector<double> cost;
   // Tasks of 1024 columns while the experts taken have at most 32 rows (with 64-row experts 1024
-  // ran 1-2% slower).
+  // ran slower).
   const int64_t step = moe_gmm_gemm::largest_group(starts, max_rows) <= 32 ? 2 * kTaskColumns : kTaskColumns;
   few_rows_tasks(starts, max_rows, width, step, tasks, cost);
   const int64_t b_elements = b.size(0) * lde;

@@ -3,8 +3,7 @@
 // parallel region.
 //
 // Why: without AMX, oneDNN runs a bfloat16 GEMM of the few rows an expert of a many-expert layer
-// gets at a fraction of the memory bandwidth (AMD EPYC, 2 threads, E256 with 4 rows each, K1024
-// N512: 20 ms where reading the weights once takes 3.1), and a loop pays a kernel setup and a
+// gets at a fraction of the memory bandwidth, and a loop pays a kernel setup and a
 // thread fork/join per expert. Here the threads split (expert, panel) tasks by cost once per call
 // and each task reads its part of the expert's weight once.
 //   vdpbf16ps multiplies pairs: float32 lane i += x[2i] * y[2i] + x[2i + 1] * y[2i + 1].
@@ -68,8 +67,7 @@ using moe_gmm_gemm::ReadAhead;
 
 constexpr int kDotRows = 4;           // nt: input rows per pass (4 x 4 accumulators)
 constexpr int64_t kNTPanel = 128;     // nt: weight rows (output columns) per task
-// nt: how far ahead the weight rows are prefetched. Against one quad ahead, at 16 rows per expert
-// (E256, bf16): depth 512 1.16x faster (2 quads), depth 1024 even (2 quads: 0.91x).
+// nt: how far ahead the weight rows are prefetched (two quads ahead at short depths beat one).
 constexpr int64_t kNTPrefetchBytes = 8192;
 constexpr int kOuterRows = 6;         // tn: 6 x 4 accumulators
 constexpr int64_t kTNPanel = 48;      // tn: output rows per task
@@ -105,15 +103,10 @@ inline __m512i columns_high(__m512 low, __m512 high) {
 // nn: every expert takes the blocks. Experts of 1-7 rows used to take bands of 16 weight rows
 // loaded straight from the weight (rows 2-4 KiB apart put a band's 16 lines and the next band's
 // prefetched 16 in one or two L1 sets) with float32 sums in L1 between bands. Since the first
-// block makes the pairs as it multiplies them, the blocks are ahead of the bands at 4-7 rows
-// (forward, E256, paired rounds in one process, gate_up / down: 4 rows 1.17x / 1.14x, 6 rows 1.29x
-// / 1.58x; k8 T128 (0-10 rows) 1.17-1.19x / 1.17-1.24x, T256 1.14x / 1.15x); at 1-2 rows 0.91x /
-// 1.00-1.13x. Earlier, from 8 rows: 8 rows 1.38x / 1.41x, 16 rows 1.19x / 1.28x.
+// block makes the pairs as it multiplies them, the blocks are ahead of the bands from 4 rows and
+// about even at 1-2.
 // nt: experts of this many rows or more take the blocks over its transposed pairs instead of the
-// dot products. Against the dot products, the two taking turns in one process (2 threads, median
-// of 12-16 paired rounds, gate_up / down): E128 k2 T4096 (64 rows each) 1.15x / 1.06x; E64 k8 T512
-// H2048 1.14x / 1.36x; skewed 1.04-1.08x; below: 0.67-0.78x at 8 rows, 0.71-0.73x at 16, 0.92-0.96x
-// at 24.
+// dot products, which are ahead below it.
 constexpr int64_t kPairBlockMinRows = 32;
 constexpr int kBlockRows = 6;             // 6 x 4 accumulators + 4 weight vectors + 1 broadcast
 constexpr int64_t kBlockColumns = 64;
@@ -245,17 +238,14 @@ void blocks_over_chunk(const uint16_t* x, int64_t lda, int64_t rows, uint16_t* p
 
 // out[0:rows, 0:cols] = x[0:rows, 0:depth] @ w[0:depth, 0:cols] for an expert of many rows. For each
 // kBlockDepth of the depth, each 64 columns of w have their row pairs interleaved in a thread's
-// contiguous buffer by the first 6 rows' block, which multiplies them as it goes (against a
-// packing pass of its own before the blocks, in one process, bit-identical: E256 with 8-16 rows
-// per expert 1.06-1.12x, 24-32 rows 1.02-1.08x, 64 rows even), and 6 x 64 blocks down the
+// contiguous buffer by the first 6 rows' block, which multiplies them as it goes (a packing pass
+// of its own before the blocks was slower on few rows), and 6 x 64 blocks down the
 // expert's other rows read it from L1 with their sums in registers (float32 between chunks, in a
 // thread's buffer across the task's columns). The blocks prefetch the next 64 columns (after the
 // last, the next chunk's first, or at the end `following`'s: the next task's first, laid out as
 // w), and each chunk's blocks request the next chunk across the task's columns front to back
-// (ReadAhead). Against 64 columns over the whole depth before the next 64 without the read-ahead,
-// taking turns in one process (forward, bit-identical): E128 k2 T4096 1.02-1.17x, E64 k8 T512
-// H2048 1.06-1.23x, and 0.97-1.08x twenty minutes later; skewed 0.97-1.02x. The chunks first
-// without the read-ahead: 0.94-1.05x.
+// (ReadAhead): ahead of 64 columns over the whole depth before the next 64 on 64-row experts
+// (bit-identical); the chunks without the read-ahead were not.
 void nn_pair_blocks(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w, int64_t ldw, int64_t depth,
                     int64_t cols, uint16_t* out, int64_t ldo, const uint16_t* following) {
   thread_local std::vector<uint16_t> packed_buffer;
@@ -289,7 +279,7 @@ void nn_pair_blocks(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t
 // contiguous buffer once, and 6 x 64 blocks down the expert's rows read it from L1 with their sums
 // in registers (float32 between chunks, in a thread's buffer). The blocks prefetch the next chunk,
 // or at the end `following` (the next task's first, laid out as w). (The next task's weight rows
-// read ahead over this task's blocks ran 0.94-0.99x here.)
+// read ahead over this task's blocks did not pay here.)
 void nt_pair_blocks(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* w, int64_t ldw, int64_t depth,
                     int64_t cols, uint16_t* out, int64_t ldo, const uint16_t* following) {
   thread_local std::vector<uint16_t> packed_buffer;
@@ -327,8 +317,8 @@ constexpr int kDotColumns = 4;  // nt: weight rows per pass
 
 // out[g][0:4] = <x row g, w rows 0..3> for G rows of x (lda apart), over depth values; each
 // loaded vector serves 4 products. With `next`, weight rows next + i * ldw for i = pf_first,
-// pf_first + pf_step, ... < 4 are prefetched into L2, one line of each per step (into L1 the E256
-// grad_input ran 1.55-1.67x slower at 4 rows per expert, even at 16; paired rounds).
+// pf_first + pf_step, ... < 4 are prefetched into L2, one line of each per step (into L1 the
+// weight of few-row experts streamed slower).
 template <int G>
 inline void dot_rows(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t ldw, const uint16_t* next,
                      int pf_first, int pf_step, int64_t depth, uint16_t* out, int64_t ldo) {
@@ -452,7 +442,7 @@ void avx512_bf16_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Ten
       return;
     }
     // The last block prefetches the first of the next panel or expert, usually this thread's next
-    // task (E256 with 4-16 rows per expert: 1.06x faster).
+    // task.
     const uint16_t* following = moe_gmm_gemm::following_panel(bp, task, width, lde, b_elements);
     nn_pair_blocks(ap + m0 * lda, lda, rows, bp + task.expert * lde + task.begin, ldb, depth, task.end - task.begin,
                    op + m0 * ldo + task.begin, ldo, following);

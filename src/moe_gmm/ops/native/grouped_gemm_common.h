@@ -131,9 +131,9 @@ inline std::vector<int64_t> cut_by_cost(const std::vector<double>& cost, int64_t
 // before it: `rows` rows of `row_bytes` bytes, `stride` bytes apart, over `steps` steps, into L2.
 // The blocks of the float32 and bfloat16 kernels read the weight in 64-column strips that touch
 // each of its rows for a few lines at a time, an order the hardware prefetchers do not follow and
-// memory serves at about half the rate of a front-to-back read (benchmarks/RESULTS.md, AMD EPYC
-// item 11); the region they read next, requested front to back while they compute, is in the
-// caches when they get to it. A prefetch never faults, so a region that runs past the operand is
+// memory serves at a fraction of the rate of a front-to-back read (docs/cpu_kernels.md); the
+// region they read next, requested front to back while they compute, is in the caches when they
+// get to it. A prefetch never faults, so a region that runs past the operand is
 // harmless.
 class ReadAhead {
  public:
@@ -165,11 +165,9 @@ class ReadAhead {
 // Requests the lines of `rows` rows of `bytes` bytes at p (rows `stride` bytes apart) for writing,
 // ahead of the stores that fill them: an output line missing from the caches is read before it is
 // written, and a block's stores, all at its end, would otherwise wait for those reads. The blocks
-// of nn (both dtypes) request theirs as they start, the dot products of nt a task's at once
-// (bfloat16, 2 threads, paired rounds in one process: E256 k8 T512 forward, down 1.17x, gate_up
-// 1.06x; E64 and E128 forward 1.06x; grad_input 1.00-1.05x; float32 1.01-1.07x, about the noise).
-// Streaming stores instead ran the bfloat16 down forward 1.18x faster but its layer 0.98x: the
-// next op then reads the output from memory.
+// of nn (both dtypes) request theirs as they start, the dot products of nt a task's at once.
+// Streaming stores instead ran the op as fast but its layer slower: the next op then reads the
+// output from memory.
 inline void prefetch_for_write(const void* p, int64_t stride, int64_t rows, int64_t bytes) {
   const char* row = static_cast<const char*>(p);
   for (int64_t r = 0; r < rows; ++r, row += stride)
@@ -235,7 +233,7 @@ class TaskRange {
 // back (consecutive tasks, so one expert's mostly stay on one thread, and each prefetches its next),
 // then takes the others' remaining tasks from the back of their ranges. The cut balances the
 // estimated cost; the taking balances what the estimate misses, and a thread the machine slows
-// down (2 vCPUs shared with other guests: one thread finished 1.1-2x after the other on the same
+// down (on vCPUs shared with other guests one thread could finish well after the other on the same
 // cost). Each thread constructs a Scope before its work and destroys it after (per-thread set-up
 // such as the AMX tile configuration, or a fence after streaming stores). Which thread runs a task
 // changes no result: every output element is one task's.

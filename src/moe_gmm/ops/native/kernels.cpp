@@ -81,7 +81,7 @@ inline void narrow(const float* __restrict src, c10::Half* __restrict dst, int64
 // The exponent is clamped as an integer to the normal range, so exp never returns a denormal or
 // an infinity (|x| > 87 saturates; +-inf and NaN give NaN). A float clamp of x instead let the
 // compiler evaluate the clamped lanes' sigmoid as a denormal constant and multiply every vector by
-// it: a microcode assist per instruction that made the forward 5x slower on random data.
+// it: a microcode assist per instruction that made the forward far slower on random data.
 inline float exp_approx(float x) {
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   float r = x - n * 0.693359375f;
