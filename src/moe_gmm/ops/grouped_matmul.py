@@ -63,9 +63,42 @@ def _(x: torch.Tensor, grad_out: torch.Tensor, group_ends: torch.Tensor, backend
     return x.new_empty(group_ends.shape[0], x.shape[1], grad_out.shape[1])
 
 
+def _grad_weight_transposed(weight: torch.Tensor) -> bool:
+    """Whether the weight gradient should be laid out ``[E, N, K]``-contiguous (returned as its
+    ``[E, K, N]`` transpose) rather than ``[E, K, N]``-contiguous.
+
+    Autograd keeps a gradient as it comes only when it is laid out like the parameter: dense with
+    the parameter's strides, or contiguous for a parameter that is not dense (padded rows).
+    Anything else is copied at accumulation and slows the optimizer's element-wise passes. So a
+    dense weight gets its own strides (what ``torch.mm``'s backward does for a transposed
+    ``mat2``); a weight with padded rows gets the contiguous order of the parameter behind it:
+    itself, or the parameter it is a transposed view of.
+    """
+    if not _is_dense(weight):
+        base = weight._base
+        return (
+            base is not None
+            and base.dim() == 3
+            and weight.shape == base.mT.shape
+            and weight.stride() == base.mT.stride()
+        )
+    return weight.shape[1] > 1 and weight.stride(1) == 1  # column-major within each expert
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once (any dimension order)."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, group_ends, backend = inputs
     ctx.backend = backend
+    ctx.grad_weight_transposed = weight.requires_grad and _grad_weight_transposed(weight)
     ctx.save_for_backward(
         x if weight.requires_grad else None,
         weight if x.requires_grad else None,
@@ -79,7 +112,12 @@ def _backward(ctx, grad_out: torch.Tensor):
     if ctx.needs_input_grad[0]:
         grad_x = _grad_input_op(grad_out, weight, group_ends, ctx.backend)
     if ctx.needs_input_grad[1]:
-        grad_w = _grad_weight_op(x, grad_out, group_ends, ctx.backend)
+        if ctx.grad_weight_transposed:
+            # dY_e^T X_e is (X_e^T dY_e)^T: the same kernel with the operands swapped writes the
+            # [E, N, K] gradient directly, no transpose copy anywhere.
+            grad_w = _grad_weight_op(grad_out.contiguous(), x, group_ends, ctx.backend).mT
+        else:
+            grad_w = _grad_weight_op(x, grad_out, group_ends, ctx.backend)
     return grad_x, grad_w, None, None
 
 
