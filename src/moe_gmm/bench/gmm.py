@@ -77,7 +77,7 @@ class GmmCase:
     weight_layout: str = "EKN"  # "ENK": the weight is a transposed view of an [E, N, K] tensor
     seed: int = 0
     # Elements of padding after each row of the weight's storage (a view of [E, K, N + pad], or of
-    # [E, N, K + pad] for ENK): rows a power of two KiB apart can stream slower (benchmarks/run_row_stride.py).
+    # [E, N, K + pad] for ENK): rows a power of two KiB apart can stream slower.
     weight_row_pad: int = 0
 
     def __post_init__(self) -> None:
