@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from moe_gmm.bench.compare import apply_baseline_options, check_baseline_options
 from moe_gmm.bench.harness import (
     TimingSettings,
     add_run_arguments,
@@ -263,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not cases:
         raise SystemExit("no case matches --cases/--filter")
+    check_baseline_options(args)
     impls = layer_impls(split_choices(args.impls, IMPLS, "--impls") if args.impls else None, args.reference)
     settings = (
         TimingSettings(warmup=1, min_repeats=3, max_repeats=5, min_seconds=0.0) if args.quick else TimingSettings()
@@ -341,4 +343,4 @@ def main(argv: list[str] | None = None) -> int:
             text += "\n\n" + memory_markdown(memory).rstrip("\n")
         Path(args.markdown).write_text(text + "\n")
         console.print(f"Markdown written to {args.markdown}")
-    return 0
+    return apply_baseline_options(report.as_dict(), args, "layer", console)

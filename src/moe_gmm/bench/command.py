@@ -1,20 +1,26 @@
-"""``moe-gmm bench``: the benchmarks of :mod:`moe_gmm.bench` (GMM, MoE layer) behind one command, plus plots.
+"""``moe-gmm bench``: the GMM and MoE-layer benchmarks behind one command, plus plots and baselines.
 
 The harness does the timing (warm-up, interleaved repeats, medians, correctness column, machine
-header, progress bar, JSON); this module chooses its arguments, then draws from the JSON:
+header, progress bar, JSON); this module chooses the runners' arguments, then draws from the JSON:
 
 - ``<suite>_time_vs_rows.png``: median time and achieved GFLOP/s against mean rows per active
   expert, one marker per implementation, projection, dtype and mode;
 - ``<suite>_roofline.png``: achieved GFLOP/s per case against the roofline-attainable rate
   (``flops / floor_s``, the faster of the compute and memory bounds measured on this machine).
+
+With ``compare`` each suite reruns the baseline's recorded command (the same cases, dtypes, modes
+and repeats) and prints the rows improved or regressed (:mod:`moe_gmm.bench.compare`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SUITES", "BenchUsageError", "plot_bench_json", "run_bench"]
+from moe_gmm.bench.baseline import load_baseline, replay_argv
+
+__all__ = ["SUITES", "BenchResult", "BenchUsageError", "plot_bench_json", "run_bench"]
 
 
 class BenchUsageError(ValueError):
@@ -24,33 +30,79 @@ class BenchUsageError(ValueError):
 SUITES = ("gmm", "layer")
 
 
+@dataclass
+class BenchResult:
+    files: dict[str, Path] = field(default_factory=dict)
+    regressed: bool = False  # a row slower than the baseline, beyond both runs' noise
+
+
+def _suite_argv(
+    suite: str, *, quick: bool, dtype: str, mode: str, baseline: dict | None, compare: Path | None
+) -> list[str]:
+    if baseline is None:
+        argv = ["--dtype", dtype, "--modes", mode]
+        return ["--quick", *argv] if quick else argv
+    try:
+        return [*replay_argv(baseline, suite), "--compare", str(compare)]
+    except ValueError as exc:
+        raise BenchUsageError(f"--compare {compare}: {exc}") from None
+
+
 def run_bench(
-    *, out_dir: str | Path, quick: bool, dtype: str, mode: str, suites: tuple[str, ...] = SUITES
-) -> dict[str, Path]:
-    """Run the chosen suites of :mod:`moe_gmm.bench` (``gmm``, ``layer``) and plot their JSON."""
+    *,
+    out_dir: str | Path,
+    quick: bool,
+    dtype: str,
+    mode: str,
+    suites: tuple[str, ...] = SUITES,
+    compare: str | Path | None = None,
+    baseline_out: str | Path | None = None,
+) -> BenchResult:
+    """Run the chosen suites (``gmm``, ``layer``) and plot their JSON.
+
+    ``compare``: a baseline file; the suites it holds rerun its commands (``quick``, ``dtype`` and
+    ``mode`` do not apply) and their rows are judged against it. ``baseline_out``: also write the
+    runs' summary rows into this baseline file.
+    """
     from moe_gmm.bench import gmm, moe_layer
 
+    for suite in suites:
+        if suite not in SUITES:
+            raise BenchUsageError(f"suite must be one of {SUITES}, got {suite!r}")
+    baseline = None
+    if compare is not None:
+        try:
+            baseline = load_baseline(compare)
+        except ValueError as exc:
+            raise BenchUsageError(f"--compare: {exc}") from None
+        suites = tuple(s for s in suites if s in baseline.get("runs", {}))
+        if not suites:
+            raise BenchUsageError(f"--compare: {compare} holds no run of the chosen suites")
     mains = {"gmm": gmm.main, "layer": moe_layer.main}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files: dict[str, Path] = {}
+    result = BenchResult()
     for suite in suites:
-        if suite not in mains:
-            raise BenchUsageError(f"suite must be one of {SUITES}, got {suite!r}")
         stem = "gmm" if suite == "gmm" else "moe_layer"
         json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
-        argv = ["--dtype", dtype, "--modes", mode, "--out", str(json_path), "--markdown", str(md_path)]
-        if quick:
-            argv.insert(0, "--quick")
+        argv = _suite_argv(suite, quick=quick, dtype=dtype, mode=mode, baseline=baseline, compare=compare)
+        argv += ["--out", str(json_path), "--markdown", str(md_path)]
+        if baseline_out is not None:
+            argv += ["--baseline-out", str(baseline_out)]
         try:
             code = mains[suite](argv)
         except SystemExit as exc:  # the harness reports bad arguments by exiting
             raise BenchUsageError(f"{suite} benchmark: {exc.code}") from None
-        if code:
+        if code == 1 and compare is not None:
+            result.regressed = True
+        elif code:
             raise BenchUsageError(f"the {suite} benchmark exited with {code}")
+        files = result.files
         files[f"{suite}_json"], files[f"{suite}_markdown"] = json_path, md_path
         files.update({f"{suite}_{k}": v for k, v in plot_bench_json(json_path, out, prefix=stem).items()})
-    return files
+    if baseline_out is not None:
+        result.files["baseline"] = Path(baseline_out)
+    return result
 
 
 def _case_label(row: dict) -> str:
