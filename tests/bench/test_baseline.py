@@ -27,7 +27,8 @@ def test_run_writes_one_summary_row_per_timed_row(tmp_path, monkeypatch):
         row = by_key[("gmm", f"{r['case']} {r['label']}", r["impl"], "fp32", "fwd")]
         assert row["median_ms"] == pytest.approx(r["median_s"] * 1e3, rel=1e-6)
         assert row["p20_ms"] <= row["median_ms"] <= row["p80_ms"]
-        assert row["x_floor"] == r["x_floor"] and row["rel_err"] == r["rel_err"]
+        assert row["x_floor"] == pytest.approx(r["x_floor"], abs=1e-4)
+        assert row["rel_err"] == pytest.approx(r["rel_err"], rel=1e-2, abs=0)
     # The skewed tiny case leaves experts empty; its rows are there like any other.
     assert any("skewed" in r["case"] for r in data["rows"])
 

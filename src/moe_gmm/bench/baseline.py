@@ -2,7 +2,8 @@
 
 A run's JSON (the harness's full record: params, floors, errors, notes) becomes summary rows, one
 per case x impl x dtype x mode that ran: median, p20/p80 and min in milliseconds, ratio to the
-roofline floor, speed-up over the run's reference and relative error. The baseline keeps the rows
+roofline floor (``x_case_floor``: at the GEMM rate measured in the case's rounds, where the run
+measured it), speed-up over the run's reference and relative error. The baseline keeps the rows
 of each suite (``gmm``, ``layer``) from that suite's latest accepted run, with the run's command,
 so the same measurement can be repeated; writing a suite's rows replaces that suite's rows in place.
 
@@ -74,13 +75,18 @@ def summary_rows(run: dict[str, Any], suite: str) -> list[dict[str, Any]]:
                 "p80_ms": _ms(r.get("p80_s", r["median_s"])),
                 "min_ms": _ms(r.get("min_s", r["median_s"])),
                 "repeats": r.get("repeats"),
-                "x_floor": r.get("x_floor"),
+                "x_floor": _round(r.get("x_floor"), 4),
+                "x_case_floor": _round(r.get("x_case_floor"), 4),
                 "bound": r.get("bound"),
-                "speedup_vs_reference": r.get("speedup_vs_reference"),
-                "rel_err": r.get("rel_err"),
+                "speedup_vs_reference": _round(r.get("speedup_vs_reference"), 4),
+                "rel_err": None if r.get("rel_err") is None else float(f"{r['rel_err']:.3g}"),
             }
         )
     return out
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def suite_of(run: dict[str, Any]) -> str:
