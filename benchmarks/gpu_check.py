@@ -1,6 +1,6 @@
 """One command for a CUDA machine: check the GPU backends, then time them on Qwen3.5 MoE shapes.
 
-    python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json
+    python benchmarks/gpu_check.py --out out/gpu_check.json
     python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check.json   # CPU, Triton interpreter
 
 1. Correctness (fails loudly, exit status 1): the triton backend in fp32 / fp16 / bf16 and the torch
@@ -36,15 +36,15 @@ _SRC = Path(__file__).resolve().parents[1] / "src"
 if (_SRC / "moe_gmm").is_dir():
     sys.path.insert(0, str(_SRC))
 
-import torch  # noqa: E402
+import torch
 
-from moe_gmm import grouped_matmul  # noqa: E402
-from moe_gmm.ops import permute, swiglu, unpermute  # noqa: E402
-from moe_gmm.bench.harness import Timing, timing_from_samples  # noqa: E402
-from moe_gmm.bench.machine import describe_machine  # noqa: E402
-from moe_gmm.ops.backends import get_backend  # noqa: E402
-from moe_gmm.ops.gather_gmm import moe_mlp_gather_scatter  # noqa: E402
-from moe_gmm.testing import (  # noqa: E402
+from moe_gmm import grouped_matmul
+from moe_gmm.bench.harness import Timing, timing_from_samples
+from moe_gmm.bench.machine import describe_machine
+from moe_gmm.ops import permute, swiglu, unpermute
+from moe_gmm.ops.backends import get_backend
+from moe_gmm.ops.gather_gmm import moe_mlp_gather_scatter
+from moe_gmm.testing import (
     assert_rel_close,
     gmm_inputs,
     reference_grouped_matmul,
@@ -95,9 +95,14 @@ def check_backend(backend: str, dtype: torch.dtype, counts, k, n, transposed, de
     y.backward(dy)
     limit = tolerance_for(dtype).rel
     ref_dx, ref_dw = reference_grouped_matmul_grads(x, w, counts, dy)
-    record = dict(
-        backend=backend, dtype=str(dtype).removeprefix("torch."), counts=counts, k=k, n=n, transposed=transposed
-    )
+    record = {
+        "backend": backend,
+        "dtype": str(dtype).removeprefix("torch."),
+        "counts": counts,
+        "k": k,
+        "n": n,
+        "transposed": transposed,
+    }
     assert_rel_close(y.cpu(), reference_grouped_matmul(x, w, counts), limit, f"{backend} {record} y")
     assert_rel_close(x.grad.cpu(), ref_dx, limit, f"{backend} {record} dx")
     assert_rel_close(w.grad.cpu(), ref_dw, limit, f"{backend} {record} dw")
@@ -122,7 +127,7 @@ def check_no_host_sync() -> dict:
         raise AssertionError(f"triton forward/backward synchronised with the host: {exc}") from exc
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    return dict(backend="triton", check="no host sync in forward and backward")
+    return {"backend": "triton", "check": "no host sync in forward and backward"}
 
 
 def run_checks(device: str, dry_run: bool) -> list[dict]:
@@ -137,7 +142,7 @@ def run_checks(device: str, dry_run: bool) -> list[dict]:
                 print(f"  skip {backend} {dtype} K={k} N={n}: {reason}")
                 continue
             done.append(check_backend(backend, dtype, counts, k, n, transposed, device))
-            print(f"  ok   {backend:6s} {str(dtype):15s} counts={counts} K={k} N={n} transposed={transposed}")
+            print(f"  ok   {backend:6s} {dtype!s:15s} counts={counts} K={k} N={n} transposed={transposed}")
     if device == "cuda":
         done.append(check_no_host_sync())
         print("  ok   triton performs no host sync in forward and backward")
@@ -213,11 +218,12 @@ def time_gemm(shape: MoeShape, gemm: str, k: int, n: int, device: str, dtype, wa
         dense_ms = timings["dense_mm"].median_s * 1e3
         for impl, t in timings.items():
             ms = t.median_s * 1e3
-            rows.append(dict(
-                shape=shape.name, tokens=shape.tokens, rows=shape.rows, experts=shape.local_experts, gemm=gemm,
-                k=k, n=n, mode=mode, impl=impl, ms=ms, p20_ms=t.p20_s * 1e3, p80_ms=t.p80_s * 1e3,
-                tflops=flops / ms / 1e9, frac_dense=dense_ms / ms,
-            ))  # fmt: skip
+            rows.append({
+                "shape": shape.name, "tokens": shape.tokens, "rows": shape.rows, "experts": shape.local_experts,
+                "gemm": gemm, "k": k, "n": n, "mode": mode, "impl": impl,
+                "ms": ms, "p20_ms": t.p20_s * 1e3, "p80_ms": t.p80_s * 1e3,
+                "tflops": flops / ms / 1e9, "frac_dense": dense_ms / ms,
+            })  # fmt: skip
     return rows
 
 
@@ -251,6 +257,7 @@ def time_moe_mlp(shape: MoeShape, device: str, dtype, warmup: int, repeats: int)
     # unfused_triton isolates the gather/scatter fusion (same GEMM kernels); unfused_auto is the default path.
     impls = (("unfused_triton", unfused("triton")), ("unfused_auto", unfused(None)), ("gather_scatter", fused))
     for impl, fn in impls:
+
         def step(fn=fn):
             hidden.grad = gate_up.grad = down.grad = None
             fn().float().square().mean().backward()
@@ -261,7 +268,16 @@ def time_moe_mlp(shape: MoeShape, device: str, dtype, warmup: int, repeats: int)
             base = torch.cuda.memory_allocated()
         ms = _timer(step, device, warmup, repeats).median_s * 1e3
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else None
-        rows.append(dict(shape=shape.name, tokens=shape.tokens, impl=impl, mode="fwd+bwd", ms=ms, peak_extra_mib=peak))
+        rows.append(
+            {
+                "shape": shape.name,
+                "tokens": shape.tokens,
+                "impl": impl,
+                "mode": "fwd+bwd",
+                "ms": ms,
+                "peak_extra_mib": peak,
+            }
+        )
     return rows
 
 
@@ -323,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         device, shapes, warmup, repeats = "cuda", FULL_SHAPES, 3, args.repeats or 10
     started = time.perf_counter()
-    result = dict(machine=_machine(device), dry_run=args.dry_run, checks=[], gemm=[], moe_mlp=[])
+    result = {"machine": _machine(device), "dry_run": args.dry_run, "checks": [], "gemm": [], "moe_mlp": []}
     m = result["machine"]
     print(f"gpu_check on {m.get('gpu', m['cpu_model'])}: torch {m['torch_version']}, triton {m['triton']}, "
           f"commit {m['git_commit']}")  # fmt: skip

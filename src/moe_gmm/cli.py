@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="the small case sets and fewer repeats")
     b.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
     b.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd"), default="fwdbwd")
+    b.add_argument(
+        "--compare",
+        default=None,
+        metavar="BASELINE",
+        help="rerun the baseline's recorded commands and print the rows improved / regressed against it "
+        "(exit 1 on a regression; --quick, --dtype, --mode do not apply)",
+    )
+    b.add_argument("--baseline-out", default=None, metavar="FILE", help="also write the runs' rows into a baseline")
     return parser
 
 
@@ -131,21 +139,23 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from moe_gmm.report.bench import SUITES, BenchUsageError, run_bench
+    from moe_gmm.bench.command import SUITES, BenchUsageError, run_bench
 
     try:
-        files = run_bench(
+        result = run_bench(
             out_dir=args.out,
             quick=args.quick,
             dtype=args.dtype,
             mode=args.mode,
             suites=SUITES if args.suite == "all" else (args.suite,),
+            compare=args.compare,
+            baseline_out=args.baseline_out,
         )
     except BenchUsageError as exc:
         return _usage_error(str(exc))
-    for name, path in files.items():
+    for name, path in result.files.items():
         print(f"wrote {path}  ({name})")
-    return EXIT_OK
+    return EXIT_FAIL if result.regressed else EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

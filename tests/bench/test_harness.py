@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from moe_gmm.bench import gmm as gmm_bench
-from moe_gmm.bench.gmm import GmmCase, case_set, gmm_impls
+from moe_gmm.bench.gmm import GmmCase, gmm_impls
 from moe_gmm.bench.harness import (
     Impl,
     TimingSettings,
@@ -75,62 +74,6 @@ def test_roofline_floor_picks_the_binding_limit():
     assert (s, bound) == (1.0, "memory")
     with pytest.raises(KeyError, match="fp16"):
         roofline_floor(1.0, 1.0, torch.float16, LIMITS)
-
-
-def test_gmm_case_work_and_bytes():
-    case = GmmCase(num_experts=4, top_k=1, num_tokens=10, hidden=6, intermediate=3, projection="down", routing="skewed")
-    counts = case.counts()
-    assert counts.sum() == 10 and counts.numel() == 4
-    assert case.kn == (3, 6)
-    m, k, n = 10, 3, 6
-    assert case.flops("fwd") == 2 * m * k * n
-    assert case.flops("fwdbwd") == 3 * case.flops("fwd")
-    active = int((counts > 0).sum())
-    assert case.min_bytes("fwd", torch.bfloat16) == 2 * (m * k + active * k * n + m * n)
-    bwd = m * n + 2 * m * k + active * k * n + 4 * k * n
-    assert case.min_bytes("bwd", torch.float32) == 4 * bwd
-    assert case.min_bytes("fwdbwd", torch.float32) == case.min_bytes("fwd", torch.float32) + 4 * bwd
-    with pytest.raises(ValueError, match="projection"):
-        GmmCase(num_experts=2, top_k=1, num_tokens=2, hidden=2, intermediate=2, projection="up")
-
-
-def test_gmm_case_inputs_are_deterministic_and_transposed_view_is_a_view():
-    a, b = TINY.make_inputs(torch.float32), TINY.make_inputs(torch.float32)
-    assert torch.equal(a.x_MK, b.x_MK) and torch.equal(a.w_EKN, b.w_EKN)
-    assert a.x_MK.shape == (12, 8) and a.w_EKN.shape == (4, 8, 8)
-    enk = GmmCase(**{**TINY.__dict__, "weight_layout": "ENK"}).make_inputs(torch.float32)
-    assert enk.w_EKN.shape == (4, 8, 8) and not enk.w_EKN.is_contiguous()
-
-
-@pytest.mark.parametrize("layout", ["EKN", "ENK"])
-def test_gmm_case_padded_rows_hold_the_same_weight(layout):
-    plain = GmmCase(**{**TINY.__dict__, "weight_layout": layout}).make_inputs(torch.float32)
-    case = GmmCase(**{**TINY.__dict__, "weight_layout": layout, "weight_row_pad": 3})
-    padded = case.make_inputs(torch.float32)
-    assert torch.equal(padded.w_EKN, plain.w_EKN) and torch.equal(padded.x_MK, plain.x_MK)
-    row_stride = padded.w_EKN.stride(1) if layout == "EKN" else padded.w_EKN.stride(2)
-    assert row_stride == 8 + 3 and padded.w_EKN.is_leaf and padded.w_EKN.requires_grad
-    assert "rows +3" in case.columns()["label"] and case.params()["weight_row_pad"] == 3
-    with pytest.raises(ValueError, match="weight_row_pad"):
-        GmmCase(**{**TINY.__dict__, "weight_row_pad": -1})
-
-
-@pytest.mark.parametrize("name", ["quick", "results", "qwen", "sweep", "full"])
-def test_case_sets_cover_both_projections(name):
-    cases = case_set(name)
-    assert {c.projection for c in cases} == {"gate_up", "down"}
-    assert any(c.routing == "skewed" for c in cases)
-    with pytest.raises(ValueError, match="case set"):
-        case_set("nope")
-
-
-def test_gmm_impls_reference_first_dense_last():
-    impls = gmm_impls()
-    names = [i.name for i in impls]
-    assert names[0] == "eager" and names[-1] == "dense" and "torch" in names
-    assert [i.name for i in gmm_impls(["torch"])] == ["eager", "torch"]
-    with pytest.raises(ValueError, match="impls"):
-        gmm_impls(["nope"])
 
 
 def _report(impls, dtypes=(torch.float32,), modes=("fwd", "bwd", "fwdbwd"), **probes):
@@ -221,23 +164,6 @@ def test_summary_json_and_tables(tmp_path):
     console = Console(record=True, width=200)
     print_report(report, console)
     assert "summary" in console.export_text()
-
-
-def test_main_quick_path_writes_json(tmp_path, monkeypatch):
-    # Only the case list and the limit measurement are replaced: the rest is the real command path.
-    monkeypatch.setattr(gmm_bench, "case_set", lambda name: [TINY, GmmCase(**{**TINY.__dict__, "projection": "down"})])
-    monkeypatch.setattr(gmm_bench, "measure_limits", lambda dtypes, quick: LIMITS)
-    out = tmp_path / "gmm.json"
-    rc = gmm_bench.main(
-        ["--quick", "--dtype", "fp32", "--no-progress", "--out", str(out), "--markdown", str(tmp_path / "g.md")]
-    )
-    assert rc == 0
-    data = json.loads(out.read_text())
-    assert {r["label"] for r in data["rows"]} == {"gate_up", "down"}
-    assert {r["mode"] for r in data["rows"]} == {"fwd", "fwdbwd"}
-    assert data["command"].startswith("python -m benchmarks.run_gmm --quick")
-    with pytest.raises(SystemExit):
-        gmm_bench.main(["--dtype", "fp8"])
 
 
 def test_set_limits_recomputes_floors_and_merge_takes_the_better():

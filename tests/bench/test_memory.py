@@ -1,10 +1,9 @@
-"""Peak-memory measurement: saved-activation counting, budget parts, a real subprocess, the CLI path."""
+"""Peak-memory measurement: saved-activation counting, budget parts, the runner's --memory (a real subprocess)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 import pytest
 import torch
@@ -12,20 +11,34 @@ import torch
 pytest.importorskip("transformers")
 
 from moe_gmm.bench import memory, moe_layer
+from moe_gmm.bench.harness import Workload
+from moe_gmm.bench.layer_cases import case_set, layer_impls
 from moe_gmm.bench.machine import Limits
 from moe_gmm.bench.memory import (
     layer_budget,
-    live_tensor_peak_bytes,
     measure_in_subprocess,
     measure_workload,
     memory_markdown,
+    moe_layer_job,
     saved_activation_bytes,
     unique_storage_bytes,
 )
-from moe_gmm.bench.moe_layer import case_set, layer_impls
 from moe_gmm.ops import host_cache
 
 LIMITS = Limits(peak_flops={"fp32": 1e11, "bf16": 2e11}, copy_bandwidth=1e10, gemm_sizes=(64,), copy_mib=1)
+
+
+def linear_job(m: int, k: int, n: int):
+    """``sigmoid(x_MK @ w_KN)``: a layer with nothing to hide, and its upstream gradient."""
+    g = torch.Generator().manual_seed(0)
+    grad_out = torch.randn(m, n, generator=g)
+
+    def build() -> Workload:
+        x_MK = torch.randn(m, k, generator=g).requires_grad_(True)
+        w_KN = (torch.randn(k, n, generator=g) * k**-0.5).requires_grad_(True)
+        return Workload(forward=lambda: torch.sigmoid(x_MK @ w_KN), leaves=(x_MK, w_KN))
+
+    return build, grad_out
 
 
 def test_saved_activation_bytes_of_sigmoid_matmul():
@@ -70,73 +83,11 @@ def test_moe_layer_budget_parts_add_up(impl_name):
     assert budget.total == budget.weights + budget.grads + budget.saved + budget.inputs
 
 
-def test_linear_in_a_fresh_process_sees_its_weights():
-    m, k, n = 256, 1024, 1024  # w: 4 MiB fp32, well above page noise
-    record = measure_in_subprocess("linear", {"rows": m, "inner": k, "cols": n, "dtype": "fp32"}, threads=1)
-    assert record["note"] == ""
-    assert record["weights_bytes"] == k * n * 4 == record["grads_bytes"]
-    assert record["saved_bytes"] == m * n * 4  # sigmoid's output
-    assert record["inputs_bytes"] == 2 * m * k * 4
-    assert record["peak_bytes"] >= record["weights_bytes"]
-    assert record["held_bytes"] > 0 and record["baseline_rss_bytes"] > 0
-    assert math.isfinite(record["ratio"]) and record["ratio"] > 0
-    assert record["threads"] == 1 and isinstance(record["malloc_env"], dict)
-    assert (record["warmup_steps"], record["measured_steps"]) == (memory.WARMUP_STEPS, memory.MEASURED_STEPS)
-    # A plain linear layer reaches its steady state in the warm-up: nothing grows after it.
-    assert abs(record["drift_bytes"]) < 4 * 1024 * 1024
-    # At the end of the backward w, x, dw and dx are alive; at most one [m, n] gradient beside them
-    # (sigmoid's output is saved, its gradient transient).
-    grads_and_leaves = record["budget_bytes"] - record["saved_bytes"]
-    assert grads_and_leaves <= record["tensor_peak_bytes"] <= record["budget_bytes"] + m * n * 4
-    assert record["tensor_ratio"] == record["tensor_peak_bytes"] / record["budget_bytes"]
-
-
-def test_live_tensor_peak_sees_each_tensor_of_a_hand_counted_step():
-    m, k, n = 64, 128, 256
-    make_job, _ = memory.KINDS["linear"]
-    build, grad_out = make_job({"rows": m, "inner": k, "cols": n, "dtype": "fp32"})
-    workload = build()
-    # Held: w and x. Allocated: the forward's output (saved), sigmoid's input gradient, then dx and
-    # dw while that gradient is still referenced: all four at once at the end of mm's backward.
-    expected = (k * n + m * k) + (m * n + m * n + m * k + k * n)
-    assert live_tensor_peak_bytes(workload, grad_out) // 4 in range(expected - 64, expected + 1)
-
-
-def test_live_tensor_peak_counts_host_cached_outputs_and_restores_the_cache():
-    # Warmed up with the cache on, the layer's weight gradients come from cached storages, which
-    # are no allocation: the measure has to see them all the same.
-    case = case_set("tiny")[0]
-    params = {**case.params(), "num_tokens": 256, "hidden": 512, "intermediate": 256}
-    make_job, _ = memory.KINDS["moe_layer"]
-    build, grad_out = make_job({"case": params, "dtype": "fp32", "impl": "moe_gmm"})
-    workload = build()
-    limit = host_cache.limit_bytes()
-    step = memory._timed_callable(workload, "fwdbwd", grad_out)
-    memory._run_steps(step, 2)
-    assert host_cache.stats().storages > 0
-    peak = live_tensor_peak_bytes(workload, grad_out)
-    budget = layer_budget(workload)
-    assert peak >= budget.total - budget.saved
-    assert host_cache.limit_bytes() == limit
-    memory._run_steps(step, 2)
-    assert host_cache.stats().hits > 0  # caching is back on
-    host_cache.clear()
-
-
-def test_step_counts_reach_the_subprocess_and_the_table():
-    spec = {"rows": 64, "inner": 64, "cols": 64, "dtype": "fp32"}
-    record = measure_in_subprocess("linear", spec, threads=1, warmup_steps=2, measured_steps=1)
-    assert (record["warmup_steps"], record["measured_steps"]) == (2, 1)
-    text = memory_markdown([{"case": "c", "dtype": "fp32", "impl": "i", **record}])
-    assert "1 steps measured after 2" in text and "| drift |" in text
-
-
 def test_measure_peak_runs_warmup_then_measured_steps():
     calls = []
-    make_job, _ = memory.KINDS["linear"]
     # Big enough that the layer's own pages (3 MiB of leaves and grads) dwarf what the rest of the
     # test process frees meanwhile: with an 8 x 8 layer a page handed back elsewhere read as -4 KiB.
-    build, grad_out = make_job({"rows": 256, "inner": 512, "cols": 512, "dtype": "fp32"})
+    build, grad_out = linear_job(256, 512, 512)
 
     def counting_build():
         workload = build()
@@ -162,63 +113,37 @@ def test_measure_peak_runs_warmup_then_measured_steps():
     ],
 )
 def test_measure_peak_rejects_bad_step_counts(kwargs, error, match):
-    make_job, _ = memory.KINDS["linear"]
-    build, grad_out = make_job({"rows": 4, "inner": 4, "cols": 4, "dtype": "fp32"})
+    build, grad_out = linear_job(4, 4, 4)
     with pytest.raises(error, match=match):
         memory.measure_peak(build, grad_out, **kwargs)
-
-
-def test_cli_rejects_a_zero_step_count(capsys):
-    with pytest.raises(SystemExit):
-        memory.main(["linear", '{"rows": 4, "inner": 4, "cols": 4, "dtype": "fp32"}', "--measured-steps", "0"])
-    assert "--measured-steps" in capsys.readouterr().err
-
-
-def test_full_priming_runs_the_same_layer_and_says_so():
-    spec = {"rows": 256, "inner": 1024, "cols": 1024, "dtype": "fp32"}
-    record = measure_in_subprocess("linear", spec, threads=1, prime="full")
-    assert record["prime"] == "full" and record["note"] == ""
-    assert record["weights_bytes"] == 1024 * 1024 * 4 and record["peak_bytes"] >= record["weights_bytes"]
-    with pytest.raises(ValueError, match="prime"):
-        measure_in_subprocess("linear", spec, prime="half")
 
 
 def test_priming_returns_the_host_cache_memory():
     # A priming step's cached outputs would otherwise be handed to the measured step, unseen.
     case = case_set("tiny")[0]
     spec = {"case": {**case.params(), "num_tokens": 512, "hidden": 1024}, "dtype": "fp32", "impl": "moe_gmm"}
-    make_job, _ = memory.KINDS["moe_layer"]
     host_cache.clear()
-    memory._prime(make_job(spec))
+    memory._prime(moe_layer_job(spec))
     assert host_cache.stats().storages == 0
 
 
 def test_unavailable_reset_reports_no_peak(monkeypatch):
     monkeypatch.setattr(memory, "_reset_high_water_mark", lambda: "peak unavailable: test")
-    make_job, _ = memory.KINDS["linear"]
-    record = measure_workload(make_job({"rows": 4, "inner": 4, "cols": 4, "dtype": "fp32"}))
+    record = measure_workload(linear_job(4, 4, 4))
     assert record["peak_bytes"] is None and record["ratio"] is None
     assert record["note"] == "peak unavailable: test"
     text = memory_markdown([{"case": "c", "dtype": "fp32", "impl": "i", **record}])
     assert "| - | - |" in text and "peak unavailable: test" in text
 
 
-def test_bad_kind_and_impl():
-    with pytest.raises(ValueError, match="kind"):
-        measure_in_subprocess("nope", {})
-    make_job, _ = memory.KINDS["moe_layer"]
-    with pytest.raises(ValueError, match="impl"):
-        make_job({"case": case_set("tiny")[0].params(), "dtype": "fp32", "impl": "nope"})
-    with pytest.raises(ValueError, match="dtype"):
-        make_job({"case": case_set("tiny")[0].params(), "dtype": "fp8", "impl": "moe_gmm"})
+def test_bad_impl_and_dtype_fail_before_a_process_starts():
+    params = case_set("tiny")[0].params()
+    with pytest.raises(ValueError, match="impl must be one of"):
+        measure_in_subprocess({"case": params, "dtype": "fp32", "impl": "nope"})
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        moe_layer_job({"case": params, "dtype": "fp8", "impl": "moe_gmm"})
     text = memory_markdown([{"case": "c", "dtype": "fp32", "impl": "i", "error": "boom"}])
     assert "error" in text and "boom" in text
-
-
-def test_table_of_a_record_from_before_the_tensor_peak():
-    record = {"case": "c", "dtype": "fp32", "impl": "i", "ratio": 1.5, "peak_bytes": 3 << 20, "budget_bytes": 2 << 20}
-    text = memory_markdown([record])
-    assert "| tensor peak | tensor/budget |" in text and "| 1.50 | - | - |" in text
 
 
 def test_runner_memory_option_writes_json_and_markdown(tmp_path, monkeypatch):

@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one small case, 3 repeats")
     p.add_argument("--ep", default="2,4", help="comma list of EP sizes (processes)")
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--out", default=None, help="write JSON here (e.g. benchmarks/results/ep_gloo.json)")
+    p.add_argument("--out", default=None, help="write JSON here (e.g. out/bench/ep.json)")
     args = p.parse_args(argv)
     cases = CASES["quick" if args.quick else "full"]
     repeats = args.repeats or (5 if args.quick else 7)

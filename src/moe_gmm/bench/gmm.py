@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from moe_gmm.bench.compare import apply_baseline_options, check_baseline_options
 from moe_gmm.bench.harness import (
     Impl,
     TimingSettings,
@@ -77,7 +78,7 @@ class GmmCase:
     weight_layout: str = "EKN"  # "ENK": the weight is a transposed view of an [E, N, K] tensor
     seed: int = 0
     # Elements of padding after each row of the weight's storage (a view of [E, K, N + pad], or of
-    # [E, N, K + pad] for ENK): rows a power of two KiB apart can stream slower (benchmarks/run_row_stride.py).
+    # [E, N, K + pad] for ENK): rows a power of two KiB apart can stream slower.
     weight_row_pad: int = 0
 
     def __post_init__(self) -> None:
@@ -172,6 +173,12 @@ def _both(**kw) -> list[GmmCase]:
 
 def case_set(name: str) -> list[GmmCase]:
     """Named case lists. ``full`` is the union of ``qwen`` (Qwen3.5-MoE proportions) and ``sweep``."""
+    if name == "tiny":
+        # Smoke test: milliseconds per row; the skewed case leaves experts empty.
+        return [
+            *_both(num_experts=4, top_k=2, num_tokens=16, hidden=32, intermediate=16),
+            *_both(num_experts=8, top_k=2, num_tokens=16, hidden=32, intermediate=16, routing="skewed"),
+        ]
     if name == "quick":
         # One case per regime: few big groups, many small groups (weight-bound), skewed with empty experts.
         return [
@@ -205,7 +212,7 @@ def case_set(name: str) -> list[GmmCase]:
         out += _both(num_experts=256, top_k=8, num_tokens=2048, hidden=1024, intermediate=256, routing="skewed")
         return out
     if name == "results":
-        # The reduced set recorded in benchmarks/RESULTS.md (a full run fits in ~10 minutes on 2 cores).
+        # The reduced set of the baselines (benchmarks/baselines/; a run fits in ~10 minutes on 2 cores).
         out = []
         for e, k, t, h, i, routing in (
             (256, 8, 128, 1024, 256, "uniform"),  # decode-like, 4 rows per expert
@@ -222,7 +229,7 @@ def case_set(name: str) -> list[GmmCase]:
     raise ValueError(f"case set must be one of {sorted(CASE_SETS)}, got {name!r}")
 
 
-CASE_SETS = ("quick", "results", "qwen", "sweep", "full")
+CASE_SETS = ("tiny", "quick", "results", "qwen", "sweep", "full")
 
 
 def _backend_impl(name: str) -> Impl:
@@ -324,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if not cases:
         raise SystemExit("no case matches --cases/--filter/--projection")
+    check_baseline_options(args)
     impls = gmm_impls(args.impls.split(",") if args.impls else None)
     settings = (
         TimingSettings(warmup=0, min_repeats=3, max_repeats=3, min_seconds=0.0) if args.quick else TimingSettings()
@@ -380,4 +388,4 @@ def main(argv: list[str] | None = None) -> int:
 
         Path(args.markdown).write_text(markdown_report(report))
         console.print(f"Markdown written to {args.markdown}")
-    return 0
+    return apply_baseline_options(report.as_dict(), args, "gmm", console)

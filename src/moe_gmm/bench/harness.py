@@ -492,9 +492,15 @@ def split_choices(text: str, allowed: Iterable[str], what: str) -> list[str]:
 
 
 def add_run_arguments(parser) -> None:
-    """The options every benchmark runner shares: repeats, outputs, threads, progress."""
+    """The options every benchmark runner shares: repeats, outputs, threads, progress, baselines."""
     parser.add_argument("--repeats", type=int, default=None, help="minimum timed repeats per implementation")
-    parser.add_argument("--out", default=None, help="write JSON here (e.g. benchmarks/results/NAME.json)")
+    parser.add_argument("--out", default=None, help="write the run's JSON here (e.g. out/bench/gmm.json)")
     parser.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--compare", default=None, metavar="BASELINE", help="print the rows improved / regressed against a baseline"
+    )
+    parser.add_argument(
+        "--baseline-out", default=None, metavar="FILE", help="write this run's summary rows into a baseline file"
+    )

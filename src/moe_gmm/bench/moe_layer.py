@@ -1,32 +1,6 @@
 """MoE-layer benchmark: one Qwen3.5-MoE sparse block, moe-gmm's vs transformers', side by side.
 
-Legend: T tokens, k top-k, E experts, H hidden, I moe intermediate, Is shared-expert intermediate.
-
-Implementations, all on the same weights and the same input ``x [1, T, H]``:
-
-- ``hf_eager``: transformers' ``Qwen3_5MoeSparseMoeBlock``, experts_implementation ``eager`` (its
-  per-expert loop); the reference every other row is compared with;
-- ``hf_grouped_mm``: the same block with transformers' ``grouped_mm`` experts;
-- ``hf_moe_gmm``: the same block with experts_implementation ``moe_gmm`` (our integration);
-- ``hf_moe_gmm_padded``: ``hf_moe_gmm`` after ``pad_expert_weight_rows`` (opt-in; a copy made once);
-- ``hf_moe_gmm_input_major``: ``hf_moe_gmm`` after ``store_expert_weights_input_major`` (opt-in; a
-  copy made once);
-- ``moe_gmm``: :class:`~moe_gmm.layers.SparseMoeBlock` (fused, auto backend), weights converted
-  once to its ``[E, H, 2I]`` / ``[E, I, H]`` layout;
-- ``moe_gmm_eager``: the same block with ``use_grouped_expert_matmul=False`` (opt-in);
-- ``moe_gmm_padded``: ``moe_gmm`` with its expert weights stored with padded rows, as
-  ``MoeBlockConfig(pad_expert_weight_rows=True)`` lays them out (opt-in; a copy made once).
-
-Gradients are taken for ``x`` and every parameter. ``moe_gmm``'s expert weights are handed to the
-harness as Hugging Face-layout transposed *views* of its own parameters, so its gradients compare
-element by element with transformers' while the block still reads its own memory layout.
-
-Work per mode (``s`` bytes per element, ``R = T k``):
-
-- FLOPs fwd ``2THE`` (router) + ``6RHI`` (experts) + ``6THIs + 2TH`` (shared expert and gate);
-  bwd twice that; fwdbwd three times.
-- minimal bytes: fwd ``s(P + 2TH)`` (P = all parameters, x read, out written); bwd
-  ``s(2P + 3TH)`` (parameters read, their grads written, x and dy read, dx written); fwdbwd the sum.
+The cases and implementations are in :mod:`moe_gmm.bench.layer_cases`.
 
 :func:`profile_breakdown` times ``moe_gmm``'s phases with ``torch.profiler`` from the
 ``record_function`` labels in the layer: ``moe::router``, ``moe::permute``, ``moe::gmm``,
@@ -41,20 +15,16 @@ measured in a fresh process; the definitions are in :mod:`moe_gmm.bench.memory`.
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
 import shlex
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from moe_gmm.bench.compare import apply_baseline_options, check_baseline_options
 from moe_gmm.bench.harness import (
-    Impl,
     TimingSettings,
-    Workload,
     add_run_arguments,
     case_rate_note,
     maybe_progress,
@@ -62,18 +32,11 @@ from moe_gmm.bench.harness import (
     split_choices,
     time_interleaved,
 )
+from moe_gmm.bench.layer_cases import CASE_SETS, DEFAULT_IMPLS, IMPLS, MoeLayerCase, case_set, layer_impls
 from moe_gmm.bench.machine import DTYPE_NAMES, describe_machine, gemm_rate_probes, measure_limits
 from moe_gmm.bench.memory import measure_in_subprocess, memory_markdown, print_memory_table
-from moe_gmm.integrations.transformers import (
-    hf_to_moe_gmm_state_dict,
-    moe_block_config_from_hf,
-    pad_expert_weight_rows,
-    register_moe_gmm_experts,
-    store_expert_weights_input_major,
-)
-from moe_gmm.layers import SparseMoeBlock
-from moe_gmm.ops.weight_layout import pad_rows
 
+# CASE_SETS, IMPLS, MoeLayerCase, case_set, layer_impls: re-exported from layer_cases.
 __all__ = [
     "CASE_SETS",
     "IMPLS",
@@ -86,224 +49,6 @@ __all__ = [
     "time_glue_alone",
 ]
 
-IMPLS = (
-    "hf_eager",
-    "hf_grouped_mm",
-    "hf_moe_gmm",
-    "hf_moe_gmm_padded",
-    "hf_moe_gmm_input_major",
-    "moe_gmm",
-    "moe_gmm_eager",
-    "moe_gmm_padded",
-)
-DEFAULT_IMPLS = ("hf_eager", "hf_grouped_mm", "hf_moe_gmm", "moe_gmm")
-_HF_IMPL = {
-    "hf_eager": "eager",
-    "hf_grouped_mm": "grouped_mm",
-    "hf_moe_gmm": "moe_gmm",
-    "hf_moe_gmm_padded": "moe_gmm",
-    "hf_moe_gmm_input_major": "moe_gmm",
-}
-# What each opt-in Hugging Face variant does to its block's expert weights once, before the steps.
-_HF_RELAYOUT = {
-    "hf_moe_gmm_padded": (pad_expert_weight_rows, "padded expert rows"),
-    "hf_moe_gmm_input_major": (store_expert_weights_input_major, "expert weights stored input-major"),
-}
-_MODE_FACTOR = {"fwd": 1, "bwd": 2, "fwdbwd": 3}
-# moe-gmm parameters stored transposed relative to transformers' (see the module docstring).
-_TRANSPOSED = ("experts.gate_up_proj", "experts.down_proj")
-
-
-@dataclass
-class MoeLayerInputs:
-    """The transformers block (the weights' owner), our block (a converted copy) and ``x [1, T, H]``."""
-
-    hf_config: Any
-    hf_block: torch.nn.Module
-    block: SparseMoeBlock
-    x: torch.Tensor
-
-
-@dataclass(frozen=True)
-class MoeLayerCase:
-    """One sparse MoE block of Qwen3.5-like proportions on T tokens (uniform random weights)."""
-
-    num_experts: int
-    num_tokens: int
-    top_k: int = 8
-    hidden: int = 2048
-    intermediate: int = 512
-    shared_intermediate: int = 512
-
-    @property
-    def name(self) -> str:
-        return f"E{self.num_experts}-k{self.top_k}-T{self.num_tokens}"
-
-    def columns(self) -> dict[str, str]:
-        return {"shape": f"H{self.hidden} I{self.intermediate} Is{self.shared_intermediate}"}
-
-    def params(self) -> dict[str, Any]:
-        return {
-            "num_experts": self.num_experts,
-            "top_k": self.top_k,
-            "num_tokens": self.num_tokens,
-            "hidden": self.hidden,
-            "intermediate": self.intermediate,
-            "shared_intermediate": self.shared_intermediate,
-        }
-
-    def hf_config(self):
-        from transformers import Qwen3_5MoeTextConfig
-
-        return Qwen3_5MoeTextConfig(
-            hidden_size=self.hidden,
-            num_experts=self.num_experts,
-            num_experts_per_tok=self.top_k,
-            moe_intermediate_size=self.intermediate,
-            shared_expert_intermediate_size=self.shared_intermediate,
-        )
-
-    def make_inputs(self, dtype: torch.dtype) -> MoeLayerInputs:
-        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
-
-        cfg = self.hf_config()
-        cfg._experts_implementation = "eager"
-        hf_block = Qwen3_5MoeSparseMoeBlock(cfg)
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in hf_block.parameters():
-                # nn.Linear-like scale 1/sqrt(fan_in); fan_in is the last dim in transformers' layouts.
-                p.copy_((torch.rand(p.shape, generator=g) * 2 - 1) * p.shape[-1] ** -0.5)
-        hf_block = hf_block.to(dtype)
-        # No aux loss in the timed block: transformers computes it at the model level, not in the block.
-        block = SparseMoeBlock(moe_block_config_from_hf(cfg, router_aux_loss_coef=0.0)).to(dtype)
-        block.load_state_dict(hf_to_moe_gmm_state_dict(hf_block.state_dict()))
-        x = torch.randn(1, self.num_tokens, self.hidden, generator=g).to(dtype).requires_grad_(True)
-        return MoeLayerInputs(hf_config=cfg, hf_block=hf_block, block=block, x=x)
-
-    def _param_numel(self) -> int:
-        h, e, i, si = self.hidden, self.num_experts, self.intermediate, self.shared_intermediate
-        return e * h + e * 3 * h * i + 3 * h * si + h
-
-    def flops(self, mode: str) -> float:
-        t, h, e, i, si = self.num_tokens, self.hidden, self.num_experts, self.intermediate, self.shared_intermediate
-        fwd = 2.0 * t * h * e + 6.0 * t * self.top_k * h * i + 6.0 * t * h * si + 2.0 * t * h
-        return fwd * _MODE_FACTOR[mode]
-
-    def min_bytes(self, mode: str, dtype: torch.dtype) -> float:
-        size = torch.empty((), dtype=dtype).element_size()
-        p, act = self._param_numel(), self.num_tokens * self.hidden
-        fwd, bwd = p + 2 * act, 2 * p + 3 * act
-        return float(size * {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[mode])
-
-
-def _hf_impl(name: str) -> Impl:
-    implementation = _HF_IMPL[name]
-
-    def prepare(inp: MoeLayerInputs) -> Workload:
-        # A second module sharing the weights' storage, with its own config: the experts read
-        # config._experts_implementation at every call, so each implementation needs its own.
-        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
-
-        cfg = copy.deepcopy(inp.hf_config)
-        cfg._experts_implementation = implementation
-        with torch.device("meta"):
-            hf_block = Qwen3_5MoeSparseMoeBlock(cfg)
-        hf_block.load_state_dict(inp.hf_block.state_dict(), assign=True)
-        if name in _HF_RELAYOUT:  # this block's expert weights copied once into another layout
-            _HF_RELAYOUT[name][0](hf_block)
-        leaves = (inp.x, *hf_block.parameters())
-        return Workload(forward=lambda: hf_block(inp.x), leaves=leaves)
-
-    return Impl(
-        name=name,
-        prepare=prepare,
-        description=f"transformers Qwen3_5MoeSparseMoeBlock, {implementation} experts"
-        + (f", {_HF_RELAYOUT[name][1]}" if name in _HF_RELAYOUT else ""),
-    )
-
-
-def _ours_impl(name: str) -> Impl:
-    fused = name != "moe_gmm_eager"
-    padded = name == "moe_gmm_padded"
-
-    def prepare(inp: MoeLayerInputs) -> Workload:
-        # A parameter-less twin with this implementation's switch; it runs on inp.block's tensors.
-        with torch.device("meta"):
-            block = SparseMoeBlock(dataclasses.replace(inp.block.config, use_grouped_expert_matmul=fused))
-        ours = dict(inp.block.named_parameters())
-        if padded:  # the expert weights copied once into padded rows (same values)
-            ours.update({n: pad_rows(ours[n]).requires_grad_() for n in _TRANSPOSED})
-        # Leaves in transformers' order and layout: transposed views of our parameters (no copy).
-        exposed = {n: (ours[n].transpose(1, 2) if n in _TRANSPOSED else ours[n]) for n in ours}
-        used = {n: (exposed[n].transpose(1, 2) if n in _TRANSPOSED else exposed[n]) for n in ours}
-        order = [n for n, _ in inp.hf_block.named_parameters()]
-
-        def forward():
-            return torch.func.functional_call(block, used, (inp.x,))
-
-        return Workload(forward=forward, leaves=(inp.x, *(exposed[n] for n in order)))
-
-    return Impl(
-        name=name,
-        prepare=prepare,
-        description="moe_gmm SparseMoeBlock, "
-        + ("eager loop" if not fused else "grouped_matmul (auto backend)" + (", padded expert rows" if padded else "")),
-    )
-
-
-def layer_impls(names: list[str] | None = None, reference: str = "hf_eager") -> list[Impl]:
-    """The requested implementations and the ``reference`` (``hf_eager`` unless told otherwise)."""
-    names = list(names or DEFAULT_IMPLS)
-    unknown = [n for n in (*names, reference) if n not in IMPLS]
-    if unknown:
-        raise ValueError(f"--impls/--reference: unknown {unknown}; choose from {list(IMPLS)}")
-    if reference not in names:
-        names.insert(0, reference)
-    if any(_HF_IMPL.get(n) == "moe_gmm" for n in names):
-        register_moe_gmm_experts()
-    return [_hf_impl(n) if n in _HF_IMPL else _ours_impl(n) for n in IMPLS if n in names]
-
-
-def case_set(name: str) -> list[MoeLayerCase]:
-    """``tiny``: a smoke test; ``quick``: a scaled-down block (under a minute on two cores);
-    ``qwen``: Qwen3.5-MoE proportions (hidden 2048, intermediate 512, top-8, E 64/256, T 1024/4096);
-    ``cpu``: E 8 (top-2) and 64 (top-8) sized for two cores; ``experts``: E 8 (top-2) and 64/128/256
-    (top-8) at H1024 I256 T512."""
-    if name == "tiny":
-        return [MoeLayerCase(num_experts=4, num_tokens=8, top_k=2, hidden=16, intermediate=8, shared_intermediate=8)]
-    if name == "quick":
-        return [MoeLayerCase(num_experts=32, num_tokens=256, hidden=512, intermediate=128, shared_intermediate=128)]
-    if name == "qwen":
-        return [MoeLayerCase(num_experts=e, num_tokens=t) for e in (64, 256) for t in (1024, 4096)]
-    if name == "experts":
-        # E 8..256 at one shape (2-core sized): with --reference hf_grouped_mm, since hf_eager's
-        # backward takes minutes per step at E=256.
-        return [
-            MoeLayerCase(
-                num_experts=e,
-                num_tokens=512,
-                top_k=2 if e == 8 else 8,
-                hidden=1024,
-                intermediate=256,
-                shared_intermediate=256,
-            )
-            for e in (8, 64, 128, 256)
-        ]
-    if name == "cpu":
-        # Sized for a 2-core CPU, where hf_eager's O(E^2) backward bounds what can run (E <= 64).
-        return [
-            MoeLayerCase(
-                num_experts=8, num_tokens=1024, top_k=2, hidden=1024, intermediate=512, shared_intermediate=512
-            ),
-            MoeLayerCase(
-                num_experts=64, num_tokens=512, top_k=8, hidden=1024, intermediate=256, shared_intermediate=256
-            ),
-        ]
-    raise ValueError(f"case set must be one of {CASE_SETS}, got {name!r}")
-
-
-CASE_SETS = ("tiny", "quick", "qwen", "cpu", "experts")
 
 # Forward phases are the layer's own labels; backward phases are our autograd labels and the
 # grouped matmul's grad ops (each custom op is one profiler event).
@@ -459,7 +204,7 @@ def measure_memory(
                     console.print(f"memory: {case.name} {head['dtype']} {name} (fresh process)...", highlight=False)
                 spec = {"case": case.params(), "dtype": head["dtype"], "impl": name}
                 try:
-                    records.append({**head, **measure_in_subprocess("moe_layer", spec)})
+                    records.append({**head, **measure_in_subprocess(spec)})
                 except RuntimeError as exc:
                     records.append({**head, "error": str(exc).strip().splitlines()[-1]})
     if console is not None:
@@ -519,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not cases:
         raise SystemExit("no case matches --cases/--filter")
+    check_baseline_options(args)
     impls = layer_impls(split_choices(args.impls, IMPLS, "--impls") if args.impls else None, args.reference)
     settings = (
         TimingSettings(warmup=1, min_repeats=3, max_repeats=5, min_seconds=0.0) if args.quick else TimingSettings()
@@ -597,4 +343,4 @@ def main(argv: list[str] | None = None) -> int:
             text += "\n\n" + memory_markdown(memory).rstrip("\n")
         Path(args.markdown).write_text(text + "\n")
         console.print(f"Markdown written to {args.markdown}")
-    return 0
+    return apply_baseline_options(report.as_dict(), args, "layer", console)

@@ -173,7 +173,7 @@ def print_report(report: BenchReport, console=None) -> None:
 
 
 def markdown_report(report: BenchReport) -> str:
-    """The same tables as Markdown, for ``RESULTS.md``."""
+    """The same tables as Markdown."""
     out = [f"### {report.title}", ""]
     out += [f"- {line}" for line in _header_lines(report)]
     for header, lines in (_table_data(report), _summary_data(report)):

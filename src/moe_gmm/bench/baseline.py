@@ -1,0 +1,200 @@
+"""Baselines: one JSON file per machine class holding the summary rows of its accepted runs.
+
+A run's JSON (the harness's full record: params, floors, errors, notes) becomes summary rows, one
+per case x impl x dtype x mode that ran: median, p20/p80 and min in milliseconds, ratio to the
+roofline floor (``x_case_floor``: at the GEMM rate measured in the case's rounds, where the run
+measured it), speed-up over the run's reference and relative error. The baseline keeps the rows
+of each suite (``gmm``, ``layer``) from that suite's latest accepted run, with the run's command,
+so the same measurement can be repeated; writing a suite's rows replaces that suite's rows in place.
+
+``python -m moe_gmm.bench.baseline RUN.json [RUN.json ...] --out benchmarks/baselines/CLASS.json``
+turns runs written earlier into a baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FORMAT",
+    "RUNNERS",
+    "SUITES",
+    "load_baseline",
+    "replay_argv",
+    "row_key",
+    "suite_of",
+    "summary_rows",
+    "update_baseline",
+]
+
+FORMAT = "moe-gmm-baseline/1"
+SUITES = ("gmm", "layer")
+RUNNERS = {"gmm": "benchmarks.run_gmm", "layer": "benchmarks.run_moe_layer"}
+# Machine fields that name the class; the rest (commit, load) belong to a run.
+_MACHINE_FIELDS = (
+    "cpu_model", "logical_cpus", "usable_cpus", "torch_threads", "cpu_capability", "torch_version", "blas",
+)  # fmt: skip
+# Runner options that name files: a replayed command gets its own.
+_FILE_OPTIONS = ("--out", "--markdown", "--baseline-out", "--compare")
+
+Key = tuple[str, str, str, str, str]
+
+
+def row_key(row: dict[str, Any]) -> Key:
+    """``(suite, case, impl, dtype, mode)``: what a run's row and a baseline's row are matched by."""
+    return (row["suite"], row["case"], row["impl"], row["dtype"], row["mode"])
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 6)
+
+
+def summary_rows(run: dict[str, Any], suite: str) -> list[dict[str, Any]]:
+    """The summary rows of a run's JSON (``BenchReport.as_dict()``); skipped rows have no timing and are left out."""
+    if suite not in SUITES:
+        raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
+    out = []
+    for r in run["rows"]:
+        if r.get("median_s") is None:
+            continue
+        out.append(
+            {
+                "suite": suite,
+                "case": f"{r['case']} {r.get('label', '')}".strip(),
+                "impl": r["impl"],
+                "dtype": r["dtype"],
+                "mode": r["mode"],
+                "median_ms": _ms(r["median_s"]),
+                "p20_ms": _ms(r.get("p20_s", r["median_s"])),
+                "p80_ms": _ms(r.get("p80_s", r["median_s"])),
+                "min_ms": _ms(r.get("min_s", r["median_s"])),
+                "repeats": r.get("repeats"),
+                "x_floor": _round(r.get("x_floor"), 4),
+                "x_case_floor": _round(r.get("x_case_floor"), 4),
+                "bound": r.get("bound"),
+                "speedup_vs_reference": _round(r.get("speedup_vs_reference"), 4),
+                "rel_err": None if r.get("rel_err") is None else float(f"{r['rel_err']:.3g}"),
+            }
+        )
+    return out
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def suite_of(run: dict[str, Any]) -> str:
+    """The suite a run's JSON belongs to, from the runner named in its command."""
+    command = run.get("command", "")
+    for suite, module in RUNNERS.items():
+        if module in command:
+            return suite
+    raise ValueError(f"run: its command names none of the runners {sorted(RUNNERS.values())}, got {command!r}")
+
+
+def load_baseline(path: str | Path) -> dict[str, Any]:
+    """Read a baseline file; ValueError naming the file when it is not one."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"baseline {path}: cannot read it ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"baseline {path}: not JSON ({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"baseline {path}: format must be {FORMAT!r}, got {found!r}")
+    for row in data.get("rows", []):
+        missing = [k for k in ("suite", "case", "impl", "dtype", "mode", "median_ms") if k not in row]
+        if missing:
+            raise ValueError(f"baseline {path}: a row lacks {missing}: {row}")
+    return data
+
+
+def update_baseline(
+    path: str | Path, run: dict[str, Any], *, suite: str | None = None, machine_class: str | None = None
+) -> Path:
+    """Write ``run``'s summary rows into the baseline at ``path``, replacing the rows of the same suite.
+
+    A new file is created; an existing one keeps its other suites. ``machine_class`` defaults to the
+    file's name. The run must come from the machine the file describes (same CPU model and count).
+    """
+    path = Path(path)
+    suite = suite or suite_of(run)
+    machine = {k: run["machine"].get(k) for k in _MACHINE_FIELDS}
+    old = load_baseline(path) if path.exists() else {"rows": [], "runs": {}}
+    if "machine" in old:
+        differs = [k for k in ("cpu_model", "logical_cpus") if old["machine"].get(k) != machine[k]]
+        if differs:
+            theirs = {k: old["machine"].get(k) for k in differs}
+            ours = {k: machine[k] for k in differs}
+            raise ValueError(f"baseline {path}: it describes {theirs}, this run's machine is {ours}")
+    limits = run.get("limits", {})
+    runs = {
+        **old["runs"],
+        suite: {
+            "command": run.get("command", ""),
+            "started_utc": run.get("started_utc", ""),
+            "git_commit": run["machine"].get("git_commit"),
+            "reference": run.get("reference"),
+            "peak_gflops": {k: round(v / 1e9, 1) for k, v in limits.get("peak_flops", {}).items()},
+            "copy_gb_s": round(limits["copy_bandwidth"] / 1e9, 2) if "copy_bandwidth" in limits else None,
+        },
+    }
+    rows = [r for r in old["rows"] if r["suite"] != suite] + summary_rows(run, suite)
+    data = {
+        "format": FORMAT,
+        "machine_class": machine_class or old.get("machine_class") or path.stem,
+        "machine": machine,
+        "runs": dict(sorted(runs.items())),
+        "rows": sorted(rows, key=row_key),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One row per line: a replaced baseline's diff shows which rows moved.
+    body = ",\n".join("  " + json.dumps(r) for r in data["rows"])
+    head = json.dumps({k: v for k, v in data.items() if k != "rows"}, indent=1)[:-2]
+    path.write_text(f'{head},\n "rows": [\n{body}\n ]\n}}\n')
+    return path
+
+
+def replay_argv(baseline: dict[str, Any], suite: str) -> list[str]:
+    """The runner arguments of the baseline's ``suite`` run, without its file options."""
+    run = baseline.get("runs", {}).get(suite)
+    if run is None:
+        raise ValueError(f"baseline: no {suite!r} run; it has {sorted(baseline.get('runs', {}))}")
+    words = shlex.split(run["command"])
+    if RUNNERS[suite] not in words:
+        raise ValueError(f"baseline: the {suite!r} command must run {RUNNERS[suite]}, got {run['command']!r}")
+    words = words[words.index(RUNNERS[suite]) + 1 :]
+    out, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in _FILE_OPTIONS:
+            skip = True
+        elif not word.startswith(tuple(f"{o}=" for o in _FILE_OPTIONS)):
+            out.append(word)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Write the summary rows of benchmark runs into a baseline file.")
+    p.add_argument("runs", nargs="+", help="run JSON files written by benchmarks.run_gmm / run_moe_layer --out")
+    p.add_argument("--out", required=True, help="the baseline file, e.g. benchmarks/baselines/CLASS.json")
+    p.add_argument("--machine-class", default=None, help="the class's name (default: the file's name)")
+    args = p.parse_args(argv)
+    for run_path in args.runs:
+        run = json.loads(Path(run_path).read_text())
+        update_baseline(args.out, run, machine_class=args.machine_class)
+        print(f"{run_path}: {len(summary_rows(run, suite_of(run)))} {suite_of(run)} rows -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
