@@ -138,9 +138,7 @@ def verify_same_setup(
     if replicated is None:
         prefixes = tuple(f"{n}." for n in experts)
         replicated = [
-            (n, t)
-            for n, t in [*model.named_parameters(), *model.named_buffers()]
-            if not n.startswith(prefixes)
+            (n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if not n.startswith(prefixes)
         ]
     config = list(extra) + _plan_fields(plan) + experts_config(model, experts)
     tensors = [(n, (tuple(t.shape), str(t.dtype), tensor_checksum(t))) for n, t in replicated]
