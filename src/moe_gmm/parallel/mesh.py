@@ -16,6 +16,7 @@ then equal single-process training on the concatenated batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,11 @@ __all__ = ["MoeMesh", "ParallelizedMoe"]
 
 @dataclass(frozen=True)
 class MoeMesh:
-    """A named DeviceMesh split into its expert-parallel dim and its data dims."""
+    """A named DeviceMesh split into its expert-parallel dim and its data dims.
+
+    The sub-meshes are built on first use (a collective the first time: every rank reads them in
+    the same order, which ``parallelize_moe`` / ``replicate_moe`` do) and kept.
+    """
 
     mesh: DeviceMesh
     ep_dim: str = "ep"
@@ -52,17 +57,17 @@ class MoeMesh:
     def dp_dims(self) -> tuple[str, ...]:
         return tuple(n for n in self.mesh.mesh_dim_names if n != self.ep_dim)
 
-    @property
+    @cached_property
     def ep_mesh(self) -> DeviceMesh:
         return self.mesh[self.ep_dim]
 
-    @property
+    @cached_property
     def expert_dp_mesh(self) -> DeviceMesh:
         """The ranks holding the same expert shard (the data dims, flattened when several)."""
         dims = self.dp_dims
         return self.mesh[dims[0]] if len(dims) == 1 else self.mesh[dims]._flatten("_".join(dims))
 
-    @property
+    @cached_property
     def data_mesh(self) -> DeviceMesh:
         """Every rank of the mesh as one flat dim: dense parameters are reduced over all of them."""
         return self.mesh._flatten("_".join(self.mesh.mesh_dim_names))
