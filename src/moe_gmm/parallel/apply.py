@@ -189,6 +189,11 @@ def sync_gradients(
     gradient is divided by the number of ranks that hold data (the size of ``dense_group``).
     ``average=False`` is for a summed loss: sums only.
     """
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise TypeError(
+            "model holds DTensor parameters (FSDP or parallelize_moe / replicate_moe): their gradients are "
+            "already reduced in backward; scale the loss with normalize_loss instead of calling sync_gradients"
+        )
     dense_group = ep_group if dense_group is None else dense_group
     scale = 1.0 / dist.get_world_size(dense_group) if average else 1.0
     experts = expert_parameter_ids(model)
