@@ -8,9 +8,17 @@ are compared, not only losses: a wrong reduction factor on the experts hides beh
 
 from __future__ import annotations
 
-import pytest
+import os
+import time
 
-from tests.helpers.mesh_runs import HF_EXPERTS, STACK_EXPERTS
+import pytest
+import torch
+from torch import nn
+
+from moe_gmm.parallel import EPPlan, parallelize_moe
+from moe_gmm.parallel.launch import RankFailure, run_ranks
+from tests.helpers.ep_models import PATTERN, tiny_moe_stack
+from tests.helpers.mesh_runs import HF_EXPERTS, STACK_EXPERTS, mesh
 from tests.helpers.mesh_runs import assert_matches_one_process as check_run
 
 pytestmark = pytest.mark.distributed
@@ -64,3 +72,23 @@ def test_dtensor_reaching_the_op_names_the_fix(mesh_reports_2, case):
         message = report["dtensor_op_errors"][case]
         assert message.startswith("TypeError:"), message
         assert "DTensor" in message and ".to_local()" in message and "parallelize_moe" in message
+
+
+def _killed_worker(rank: int, world: int) -> None:
+    model = tiny_moe_stack(seed=3)
+    par = parallelize_moe(model, mesh(1, 2), EPPlan(2, [PATTERN]))
+    x = torch.randn(6, 16)
+    par.average_loss(nn.functional.mse_loss(model(x), x)).backward()
+    if rank == 1:
+        os._exit(3)  # dies between steps, as a crashed or preempted rank would
+    for _ in range(3):
+        par.average_loss(nn.functional.mse_loss(model(x), x)).backward()
+
+
+def test_a_killed_rank_fails_the_others_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_killed_worker, 2, timeout_s=90, pg_timeout_s=20, may_exit=[1])
+    assert failure.value.reports[0].startswith("raised:"), failure.value.reports[0]
+    assert failure.value.reports[1] == "exited with code 3 without a result"
+    assert time.monotonic() - start < 80
