@@ -41,14 +41,13 @@ def tensor_checksum(t: torch.Tensor) -> tuple[int, int] | None:
     raw = flat.view(torch.uint8)
     size = next(s for s in (4, 2, 1) if raw.numel() % s == 0)
     ints = raw.view(_INT_VIEW[size])
-    plain = weighted = 0
+    sums = []
     for start in range(0, ints.numel(), _CHUNK):
         chunk = ints[start : start + _CHUNK].to(torch.int64)
         position = torch.arange(start, start + chunk.numel(), device=chunk.device) % 251 + 1
-        # HOST SYNC: one per chunk, once at setup.
-        plain += int(chunk.sum())
-        weighted += int((chunk * position).sum())
-    return (plain, weighted)
+        sums.append(torch.stack([chunk.sum(), (chunk * position).sum()]))
+    per_chunk = torch.stack(sums).tolist()  # HOST SYNC: one per tensor, once at setup
+    return (sum(s[0] for s in per_chunk), sum(s[1] for s in per_chunk))  # Python ints: no overflow
 
 
 def _top_k(parent: nn.Module | None) -> int | None:
