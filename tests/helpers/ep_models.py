@@ -10,6 +10,17 @@ from moe_gmm.layers import MoeBlockConfig, SparseMoeBlock
 PATTERN = "layers.{*}.mlp.experts"
 
 
+class MoeLayer(nn.Module):
+    """One residual MoE layer (a called module, so FSDP can wrap it: ``layers.{i}.mlp``)."""
+
+    def __init__(self, cfg: MoeBlockConfig):
+        super().__init__()
+        self.mlp = SparseMoeBlock(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
 class TinyMoeStack(nn.Module):
     """Residual stack of MoE blocks plus a dense MLP, named like a decoder (``layers.{i}.mlp``)."""
 
@@ -22,12 +33,12 @@ class TinyMoeStack(nn.Module):
             moe_intermediate_size=8,
             shared_expert_intermediate_size=8,
         )
-        self.layers = nn.ModuleList(nn.ModuleDict({"mlp": SparseMoeBlock(cfg)}) for _ in range(num_layers))
+        self.layers = nn.ModuleList(MoeLayer(cfg) for _ in range(num_layers))
         self.dense = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
 
     def forward(self, x):
         for layer in self.layers:
-            x = x + layer["mlp"](x)
+            x = layer(x)
         return self.dense(x)
 
 

@@ -83,17 +83,17 @@ def _checkpoint_worker(rank: int, world: int, root: str) -> dict:
     # checkpoint written from it is the same as from contiguous weights, and loading copies into it.
     padded = _model(seed=0, num_experts=8)
     for layer in padded.layers:
-        layer["mlp"].experts.set_weight_row_padding(True)
+        layer.mlp.experts.set_weight_row_padding(True)
     apply_expert_parallel(padded, None, EPPlan(4, [PATTERN]))
-    experts = [layer["mlp"].experts for layer in padded.layers]
+    experts = [layer.mlp.experts for layer in padded.layers]
     checks["padded_sharded"] = all(e.weight_rows_padded for e in experts) and _matches(padded, full, rank, 4)
     save_ep_checkpoint(padded, root / "padded")
     padded_load = _model(seed=15, num_experts=8)
     for layer in padded_load.layers:
-        layer["mlp"].experts.set_weight_row_padding(True)
+        layer.mlp.experts.set_weight_row_padding(True)
     apply_expert_parallel(padded_load, None, EPPlan(4, [PATTERN]))
     load_ep_checkpoint(padded_load, root / "ep1")
-    experts = [layer["mlp"].experts for layer in padded_load.layers]
+    experts = [layer.mlp.experts for layer in padded_load.layers]
     checks["padded_load"] = all(e.weight_rows_padded for e in experts) and _matches(padded_load, full, rank, 4)
 
     # A model too big for one device: built on the meta device, sharded, then only the local shard
@@ -138,7 +138,7 @@ def test_checkpoint_resharding_round_trips(tmp_path):
         assert torch.equal(ep4[key], padded[key]), key
     # Hugging Face layout: fused experts [E, 2I, H] / [E, H, I] (GroupedExperts holds the transposes).
     full = _model(seed=0, num_experts=8)
-    assert torch.equal(ep4["layers.0.mlp.experts.gate_up_proj"], full.layers[0]["mlp"].experts.gate_up_proj.mT)
+    assert torch.equal(ep4["layers.0.mlp.experts.gate_up_proj"], full.layers[0].mlp.experts.gate_up_proj.mT)
     assert ep4["layers.1.mlp.experts.down_proj"].shape == (8, 16, 8)
     # Sharded over files with an index at EP 4 and EP 2, one file at EP 1, as save_pretrained does.
     index = json.loads((tmp_path / "ep4" / INDEX_NAME).read_text())

@@ -13,6 +13,7 @@ traces callers without looking inside a backend.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Literal
 
@@ -199,10 +200,22 @@ def _check_group_values(values: torch.Tensor, *, num_rows: int, group_list_type:
         raise ValueError(f"{what} must equal x.shape[0] = {num_rows}, got {total}")
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # A DTensor exists only once torch.distributed.tensor is loaded; no import on the hot path.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if _is_dtensor(t):
+            raise TypeError(
+                f"{name} must be a plain torch.Tensor (this rank's data), got a DTensor with placements "
+                f"{tuple(t.placements)} and global shape {tuple(t.shape)}: call .to_local() on it first, or "
+                "shard the experts with moe_gmm.parallel.parallelize_moe, whose forward does"
+            )
         if t.dtype not in _FLOAT_DTYPES:
             supported = [_dtype_name(d) for d in _FLOAT_DTYPES]
             raise TypeError(f"{name} must have a floating dtype in {supported}, got {_dtype_name(t.dtype)}")

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from moe_gmm.ops.expert_mlp import expert_mlp
 from moe_gmm.ops.weight_layout import pad_rows, row_padding
@@ -20,6 +21,7 @@ from moe_gmm.parallel.comm import collective
 from moe_gmm.parallel.dispatcher import AllToAllDispatcher, OverlappedAllToAllDispatcher
 from moe_gmm.parallel.layout import EXPERT_PARAMS, ExpertShard, experts_layout
 from moe_gmm.parallel.plan import EPPlan
+from moe_gmm.parallel.verify import verify_same_setup
 
 __all__ = [
     "apply_expert_parallel",
@@ -35,7 +37,7 @@ def _ep_forward(
 ) -> torch.Tensor:
     """The experts forward under EP: same signature, global expert ids, local weight shards."""
     layout = self.ep_shard.layout
-    gate_up_LH2I, down_LIH = layout.mlp_weights(self)
+    gate_up_LH2I, down_LIH = (_local(w) for w in layout.mlp_weights(self))
     if hasattr(self, "last_tokens_per_expert"):  # GroupedExperts' routing statistics: this rank's tokens
         self.last_tokens_per_expert = torch.bincount(top_k_index_Tk.detach().flatten(), minlength=layout.num_experts)
 
@@ -47,8 +49,9 @@ def _ep_forward(
     return self.ep_dispatcher(hidden_TH, top_k_index_Tk, top_k_weights_Tk, run_local_experts)
 
 
-def _describe(module: nn.Module) -> tuple:
-    return tuple((n, tuple(getattr(module, n).shape), str(getattr(module, n).dtype)) for n in EXPERT_PARAMS)
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a weight that :func:`~moe_gmm.parallel.fsdp.parallelize_moe` made a DTensor."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, plan: EPPlan) -> list[str]:
@@ -63,7 +66,8 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
     raised as one ``ValueError`` on every rank (never a hang): a pattern matching nothing or two
     patterns on one module, a matched module that is not a routed-experts module, E not divisible
     by the group size, ``plan.expert_parallel_size`` != group size, and models or plans that differ
-    across ranks (different E, shapes, dtypes, EP size, dispatcher).
+    across ranks (E, top_k, sizes, dtype, plan, or any replicated tensor's bits: see
+    :func:`~moe_gmm.parallel.verify.verify_same_setup`), naming the first difference and the ranks.
     """
     if not isinstance(plan, EPPlan):
         raise TypeError(f"plan must be an EPPlan, got {type(plan).__name__}")
@@ -97,19 +101,13 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
 
     # One exchange at setup: every rank learns every rank's problems and model description, so all
     # raise the same error together instead of some waiting for the others until a timeout.
-    mine = (problems, (ep_size, plan), [(n, layouts[n].num_experts, _describe(modules[n])) for n in layouts])
     everyone: list = [None] * ep_size
     with collective("setup check", ep_group):
-        dist.all_gather_object(everyone, mine, group=ep_group)
-    errors = [f"rank {r}: {p}" for r, (probs, _, _) in enumerate(everyone) for p in probs]
+        dist.all_gather_object(everyone, problems, group=ep_group)
+    errors = [f"rank {r}: {p}" for r, probs in enumerate(everyone) for p in probs]
     if errors:
         raise ValueError("apply_expert_parallel: " + "; ".join(errors))
-    for r, (_, setup, desc) in enumerate(everyone):
-        if setup != mine[1] or desc != mine[2]:
-            raise ValueError(
-                "apply_expert_parallel: ranks disagree on the expert-parallel setup "
-                f"(rank {ep_rank}: {mine[1]}, {mine[2]}; rank {r}: {setup}, {desc})"
-            )
+    verify_same_setup(model, ep_group, plan, matched, what="apply_expert_parallel")
 
     for name, layout in layouts.items():
         module = modules[name]
@@ -191,6 +189,11 @@ def sync_gradients(
     gradient is divided by the number of ranks that hold data (the size of ``dense_group``).
     ``average=False`` is for a summed loss: sums only.
     """
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise TypeError(
+            "model holds DTensor parameters (FSDP or parallelize_moe / replicate_moe): their gradients are "
+            "already reduced in backward; scale the loss with normalize_loss instead of calling sync_gradients"
+        )
     dense_group = ep_group if dense_group is None else dense_group
     scale = 1.0 / dist.get_world_size(dense_group) if average else 1.0
     experts = expert_parameter_ids(model)
