@@ -177,7 +177,7 @@ class _Run:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         finish_backward(model, self.rt)
-        if self.cfg.training.grad_clip > 0:
+        if self.cfg.training.grad_clip:  # null or 0: no clipping
             clip_grad_norm(model, self.cfg.training.grad_clip, self.rt)
         opt.step()
         # Host sync: the loss is logged every step (the mean over ranks is the global batch's loss).
