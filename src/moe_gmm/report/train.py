@@ -35,7 +35,7 @@ from moe_gmm.report.distributed import (
 )
 from moe_gmm.report.model import Report
 from moe_gmm.report.timing import measure_phases, synchronize
-from moe_gmm.report.train_checkpoint import check_against_model, load_checked, save_checked
+from moe_gmm.report.train_checkpoint import check_state, load_checked, save_checked
 from moe_gmm.report.train_outputs import loss_report, write_outputs
 
 __all__ = ["TrainResult", "TrainUsageError", "build_model", "run_training", "synthetic_batch"]
@@ -165,7 +165,7 @@ class _Run:
     def model(self, path: str, state: dict | None = None) -> torch.nn.Module:
         """The model for ``path`` from ``init.pt``, sharded over the EP group, then ``state`` loaded."""
         model = build_model(self.cfg, path)
-        check_against_model(self.init_state, model, self.out / "init.pt")
+        check_state(self.init_state, model.state_dict(), self.out / "init.pt")
         model.load_state_dict(self.init_state)
         model.to(device=self.device, dtype=self.dtype).train()
         fused = path == "fused" and self.cfg.model.use_grouped_expert_matmul
@@ -208,6 +208,9 @@ def _resume_state(run: _Run, path: str, steps: int) -> dict:
         raise CheckpointError(f"checkpoint {str(ckpt_path)!r}: step, losses and step_ms disagree")
     if len(losses) >= steps:
         raise TrainUsageError(f"--resume: checkpoint {ckpt_path} is already at step {len(losses)} >= --steps {steps}")
+    if not run.rt.distributed:  # an unsharded model: its shapes are init.pt's, so check them now
+        expected = {k: torch.empty(v.shape, dtype=run.dtype, device="meta") for k, v in run.init_state.items()}
+        check_state(state["model"], expected, ckpt_path)
     return state
 
 
@@ -218,7 +221,7 @@ def _run_path(run: _Run, path: str, steps: int, state: dict | None, progress, pr
     losses: list[float] = []
     step_ms: list[float] = []
     if state is not None:
-        check_against_model(state["model"], model, ckpt_path)  # before anything is copied
+        check_state(state["model"], model.state_dict(), ckpt_path)  # before anything is copied
         model.load_state_dict(state["model"])
         try:
             opt.load_state_dict(state["optimizer"])

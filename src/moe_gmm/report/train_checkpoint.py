@@ -18,7 +18,7 @@ import torch
 
 from moe_gmm.checksum import CheckpointError, tensor_digest
 
-__all__ = ["check_against_model", "load_checked", "save_checked"]
+__all__ = ["check_state", "load_checked", "save_checked"]
 
 CHECKSUMS = "checksums"
 
@@ -72,12 +72,14 @@ def load_checked(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
     return state
 
 
-def check_against_model(state: Any, model: torch.nn.Module, path: Path) -> None:
-    """Refuse a model state whose tensors are not exactly the model's (names, shapes, dtypes)."""
+def check_state(state: Any, own: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Refuse a model state whose tensors are not exactly ``own``'s (names, shapes, dtypes).
+
+    ``own`` is the model's ``state_dict()``, or meta tensors of its shapes and dtypes.
+    """
     where = f"checkpoint {str(path)!r}"
     if not isinstance(state, Mapping):
         raise CheckpointError(f"{where}: the model state is a {type(state).__name__}, not a dict")
-    own = model.state_dict()
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing:
         raise CheckpointError(f"{where}: tensor {missing[0]!r} of the model is missing ({len(missing)} in all)")
