@@ -20,6 +20,8 @@ import torch
 import yaml
 
 from moe_gmm.cli import EXIT_USAGE, main
+from moe_gmm.ops.backends import GmmBackend, register_backend, unregister_backend
+from moe_gmm.ops.backends import eager as eager_backend
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -169,6 +171,31 @@ def test_bad_config_exits_2_with_one_line_naming_the_key(case, write, key, tmp_p
     code, err = _run_main(argv, capsys)
     assert code == EXIT_USAGE, (case, err)
     assert key in _one_usage_line(err)
+
+
+@pytest.fixture
+def fp32_only_backend():
+    """A registered backend that runs float32 only: a bf16 run must be refused before step 1."""
+    backend = GmmBackend(
+        name="test_fp32_only",
+        devices=frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32}),
+        forward=eager_backend.forward,
+        grad_input=eager_backend.grad_input,
+        grad_weight=eager_backend.grad_weight,
+    )
+    register_backend(backend)
+    yield backend.name
+    unregister_backend(backend.name)
+
+
+def test_a_backend_that_cannot_run_the_configured_dtype_is_a_usage_error(fp32_only_backend, tmp_path, capsys):
+    text = TINY.read_text().replace("gmm_backend: null", f"gmm_backend: {fp32_only_backend}")
+    config = _text(text.replace("dtype: fp32", "dtype: bf16"))(tmp_path)
+    code, err = _run_main(["train", "--config", config, "--out", str(tmp_path / "o"), *FAST[:2]], capsys)
+    assert code == EXIT_USAGE, err
+    line = _one_usage_line(err)
+    assert "model.gmm_backend: backend='test_fp32_only' cannot run these inputs: dtype bfloat16" in line
 
 
 def _a_file(tmp: Path) -> Path:

@@ -23,7 +23,7 @@ import torch
 
 from moe_gmm._validation import writable_directory
 from moe_gmm.checksum import CheckpointError
-from moe_gmm.config import RunConfig, load_config
+from moe_gmm.config import ConfigError, RunConfig, load_config
 from moe_gmm.report.distributed import (
     Runtime,
     apply_ep,
@@ -275,6 +275,8 @@ def run_training(
         raise TrainUsageError("device: cuda requested but torch.cuda.is_available() is False")
     if cfg.device == "npu" and importlib.util.find_spec("torch_npu") is None:
         raise TrainUsageError("device: npu requested but torch_npu is not installed")
+    if "fused" in paths:
+        _check_backend(cfg)
     out = Path(out_dir)
     if resume and not (out / "init.pt").exists():
         raise TrainUsageError(f"--resume: no {out / 'init.pt'} (run without --resume first)")
@@ -313,6 +315,23 @@ def run_training(
 
             dist.destroy_process_group()
     return TrainResult(losses, step_ms, max_diff, report, files)
+
+
+def _check_backend(cfg: RunConfig) -> None:
+    """``model.gmm_backend`` must run the model's two expert matmuls on this device and dtype (not fail at step 1)."""
+    m = cfg.model
+    if not m.use_grouped_expert_matmul or m.gmm_backend is None:
+        return
+    from moe_gmm.ops.backends import select_backend
+
+    device, dtype = torch.device(cfg.device), _DTYPES[cfg.dtype]
+    for k_dim, n_dim in ((m.hidden_size, 2 * m.moe_intermediate_size), (m.moe_intermediate_size, m.hidden_size)):
+        x = torch.empty(1, k_dim, dtype=dtype, device=device)
+        w = torch.empty(1, k_dim, n_dim, dtype=dtype, device=device)
+        try:
+            select_backend(x, w, m.gmm_backend)
+        except ValueError as exc:
+            raise ConfigError(f"model.gmm_backend: {exc}") from None
 
 
 def _barrier(rt: Runtime) -> None:
