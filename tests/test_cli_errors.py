@@ -381,3 +381,18 @@ def test_subprocess_corrupted_resume_prints_one_line(trained, tmp_path):
     proc = _cli(["train", "--config", str(TINY), "--out", str(out), "--resume", "--steps", "3", "--paths", "eager"])
     assert proc.returncode == EXIT_USAGE, proc.stderr
     assert "ckpt_eager.pt" in _one_usage_line(proc.stderr)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--config", str(TINY), *FAST[:2]],
+        ["validate", "--quick", "--no-plots", "--tokens", "8"],
+    ],
+    ids=["env-backend-train", "env-backend-validate"],
+)
+def test_a_bad_backend_environment_variable_is_a_usage_error(argv, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("MOE_GMM_BACKEND", "bogus")
+    code, err = _run_main([*argv, "--out", str(tmp_path / "o")], capsys)
+    assert code == EXIT_USAGE, err
+    assert "$MOE_GMM_BACKEND: backend='bogus' is not a registered backend" in _one_usage_line(err)

@@ -15,6 +15,7 @@ tensor (:mod:`moe_gmm.report.train_checkpoint`); a damaged one is a usage error 
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -318,11 +319,21 @@ def run_training(
 
 
 def _check_backend(cfg: RunConfig) -> None:
-    """``model.gmm_backend`` must run the model's two expert matmuls on this device and dtype (not fail at step 1)."""
+    """The fused path's backend must run the two expert matmuls on this device and dtype (not fail at step 1).
+
+    With ``model.gmm_backend: null`` the choice is ``$MOE_GMM_BACKEND``'s or automatic; a bad
+    environment value is named as such.
+    """
     m = cfg.model
-    if not m.use_grouped_expert_matmul or m.gmm_backend is None:
+    if not m.use_grouped_expert_matmul:
         return
-    from moe_gmm.ops.backends import select_backend
+    from moe_gmm.ops.backends import BACKEND_ENV_VAR, select_backend
+
+    key = (
+        "model.gmm_backend"
+        if m.gmm_backend is not None or not os.environ.get(BACKEND_ENV_VAR)
+        else f"${BACKEND_ENV_VAR}"
+    )
 
     device, dtype = torch.device(cfg.device), _DTYPES[cfg.dtype]
     for k_dim, n_dim in ((m.hidden_size, 2 * m.moe_intermediate_size), (m.moe_intermediate_size, m.hidden_size)):
@@ -331,7 +342,7 @@ def _check_backend(cfg: RunConfig) -> None:
         try:
             select_backend(x, w, m.gmm_backend)
         except ValueError as exc:
-            raise ConfigError(f"model.gmm_backend: {exc}") from None
+            raise ConfigError(f"{key}: {exc}") from None
 
 
 def _barrier(rt: Runtime) -> None:

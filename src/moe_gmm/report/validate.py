@@ -27,7 +27,7 @@ import torch
 from moe_gmm._validation import writable_directory
 from moe_gmm.config import MAX_SEED, ModelConfig
 from moe_gmm.ops import grouped_matmul
-from moe_gmm.ops.backends import get_backend, select_backend
+from moe_gmm.ops.backends import BACKEND_ENV_VAR, get_backend, select_backend
 from moe_gmm.report.checks import (
     allclose_row,
     dtype_name,
@@ -113,12 +113,14 @@ def _check_options(opts: ValidateOptions) -> torch.device:
     if isinstance(opts.seed, bool) or not isinstance(opts.seed, int) or not 0 <= opts.seed <= MAX_SEED:
         raise ValidationUsageError(f"--seed must be an int in [0, {MAX_SEED}], got {opts.seed!r}")
     device = torch.device(opts.device)
-    if opts.backend is not None:
-        try:
+    try:
+        if opts.backend is not None:
             get_backend(opts.backend)
-            _fused_backend_names(opts, device, MODEL_PRESETS[opts.model])
-        except ValueError as exc:
-            raise ValidationUsageError(f"--backend {opts.backend}: {exc}") from None
+        _fused_backend_names(opts, device, MODEL_PRESETS[opts.model])
+    except ValueError as exc:
+        # Without --backend the choice is $MOE_GMM_BACKEND's (or automatic).
+        flag = f"--backend {opts.backend}" if opts.backend is not None else f"${BACKEND_ENV_VAR}"
+        raise ValidationUsageError(f"{flag}: {exc}") from None
     return device
 
 
