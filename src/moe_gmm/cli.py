@@ -25,7 +25,7 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     # argparse prints the whole usage block before its error; the contract is one line.
     def error(self, message: str) -> typing.NoReturn:
-        raise _UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise _UsageError(f"{message} (see {self.prog} --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
