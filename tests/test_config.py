@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moe_gmm.config import (
     ConfigError,
+    EPPlanConfig,
+    ModelConfig,
+    ParallelConfig,
     RunConfig,
+    TrainingConfig,
     config_to_dict,
     load_config,
     parse_config,
@@ -131,3 +139,114 @@ def test_config_error_is_a_value_error_and_file_errors_are_config_errors(tmp_pat
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("training.lr", float("nan"), r"^training\.lr: must be a finite number"),
+        ("training.lr", float("-inf"), r"^training\.lr: must be a finite number"),
+        ("training.weight_decay", -0.5, r"^training\.weight_decay: must be >= 0"),
+        ("training.grad_clip", -1.0, r"^training\.grad_clip: must be > 0, or 0 / null for no clipping"),
+        ("training.grad_clip", float("inf"), r"^training\.grad_clip: must be a finite number"),
+        ("model.router_aux_loss_coef", -0.1, r"^model\.router_aux_loss_coef: must be >= 0"),
+        ("model.max_position_embeddings", 0, r"^model\.max_position_embeddings: must be >= 1, got 0"),
+        ("model.linear_key_head_dim", 0, r"^model\.linear_key_head_dim: must be >= 1, got 0"),
+        ("model.linear_num_value_heads", 3, r"^model\.linear_num_value_heads: 3 must be a multiple of"),
+        ("model.full_attention_interval", 3, r"^model\.full_attention_interval: 3 exceeds model\.num_hidden_layers 2"),
+        ("model.max_position_embeddings", 31, r"^training\.seq_len: 32 exceeds model\.max_position_embeddings 31"),
+        ("model.gmm_backend", "bogus", r"^model\.gmm_backend: 'bogus' is not a registered backend; registered: \["),
+        ("model.hidden_size", 2**64, r"^model\.hidden_size: 18446744073709551616 does not fit in a 64-bit integer"),
+        ("seed", 2**32, r"^seed: must be in \[0, 4294967295\]"),
+        ("model.norm_topk_prob", "no", r"^model\.norm_topk_prob: expected bool, got str 'no'"),
+        ("training.grad_clip", "off", r"^training\.grad_clip: expected float or null, got str 'off'"),
+    ],
+)
+def test_out_of_range_values_name_the_key(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(_set(_tiny(), key, value))
+
+
+def test_grad_clip_null_or_zero_means_off_and_backends_come_from_the_registry():
+    assert parse_config(_set(_tiny(), "training.grad_clip", None)).training.grad_clip is None
+    assert parse_config(_set(_tiny(), "training.grad_clip", 0)).training.grad_clip == 0.0
+    assert parse_config(_set(_tiny(), "model.gmm_backend", "eager")).model.gmm_backend == "eager"
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("model:\n  hidden_size: 64\n  hidden_size: 32\n", r"^model\.hidden_size: duplicate key \(lines 2 and 3"),
+        ("seed: 1\ntraining: {}\nseed: 2\n", r"^seed: duplicate key \(lines 1 and 3"),
+        ("training:\n  steps: 1\ntraining:\n  steps: 2\n", r"^training: duplicate key \(lines 1 and 3"),
+        (
+            "parallel:\n  ep_plan:\n    dispatcher: alltoall\n    dispatcher: alltoall\n",
+            r"^parallel\.ep_plan\.dispatcher: duplicate key \(lines 3 and 4",
+        ),
+    ],
+)
+def test_duplicate_yaml_keys_are_refused(text, match, tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_config(path)
+
+
+def test_anchors_and_merge_keys_are_not_duplicates(tmp_path):
+    path = tmp_path / "anchors.yaml"
+    # A merged key that the mapping then sets itself is YAML's override, not a duplicate.
+    path.write_text("model: &m\n  <<: {num_experts: 4, hidden_size: 16}\n  num_experts: 8\n")
+    cfg = load_config(path)
+    assert (cfg.model.num_experts, cfg.model.hidden_size) == (8, 16)
+
+
+def test_unsafe_and_undecodable_files_are_config_errors(tmp_path):
+    path = tmp_path / "tag.yaml"
+    path.write_text("seed: !!python/object/apply:os.getpid []\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML \(could not determine a constructor"):
+        load_config(path)
+    path.write_bytes(b"seed: \xff\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(path)
+
+
+_SECTIONS = {
+    "RunConfig": RunConfig,
+    "ModelConfig": ModelConfig,
+    "TrainingConfig": TrainingConfig,
+    "ParallelConfig": ParallelConfig,
+    "EPPlanConfig": EPPlanConfig,
+}
+# A value of the wrong type for every kind of field annotation the schema uses.
+_WRONG = {
+    "int": ["8", 8.0, True, None],
+    "float": ["1e-3", True, None, [1.0]],
+    "bool": ["false", 1, 0, None],
+    "str": [3, b"x", None],
+}
+
+
+@given(st.data())
+@settings(max_examples=60, deadline=None)
+def test_every_config_dataclass_checks_its_field_types_on_construction(data):
+    cls = data.draw(st.sampled_from(sorted(_SECTIONS)))
+    fields = {f.name: f for f in dataclasses.fields(_SECTIONS[cls])}
+    hints = typing.get_type_hints(_SECTIONS[cls])
+    kinds = {name: typing.get_args(hints[name]) or (hints[name],) for name in fields}
+    simple = [n for n, k in kinds.items() if k[0] in (int, float, bool, str) and type(None) not in k]
+    name = data.draw(st.sampled_from(sorted(simple)))
+    value = data.draw(st.sampled_from(_WRONG[kinds[name][0].__name__]))
+    with pytest.raises(TypeError, match=rf"^{cls}\.{name}: expected "):
+        _SECTIONS[cls](**{name: value})
+
+
+def test_config_dataclasses_check_nested_and_literal_fields():
+    with pytest.raises(TypeError, match=r"^RunConfig\.model: expected ModelConfig, got dict"):
+        RunConfig(model={"hidden_size": 8})
+    with pytest.raises(TypeError, match=r"^RunConfig\.dtype: expected one of 'bf16', 'fp32', got str 'fp16'"):
+        RunConfig(dtype="fp16")
+    with pytest.raises(TypeError, match=r"^EPPlanConfig\.apply_modules: expected list of str"):
+        EPPlanConfig(apply_modules=["a", 1])
+    with pytest.raises(TypeError, match=r"^TrainingConfig\.grad_clip: expected float or null"):
+        TrainingConfig(grad_clip="off")
+    assert TrainingConfig(grad_clip=None, lr=1).lr == 1

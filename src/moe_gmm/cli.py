@@ -1,7 +1,8 @@
 """``moe-gmm``: the command line. Thin: parse arguments, call the library, print, return an exit code.
 
 Exit codes: 0 every check passed, 1 a check failed, 2 bad usage (unknown flag, bad config,
-unavailable device or backend). Usage errors print one line to stderr, never a traceback.
+unavailable device or backend, unwritable ``--out``, unreadable ``--resume`` checkpoint). Usage
+errors print one line to stderr naming the flag or key, never a traceback.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from collections.abc import Sequence
 
 __all__ = ["EXIT_FAIL", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -16,8 +18,18 @@ __all__ = ["EXIT_FAIL", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
+class _UsageError(Exception):
+    """A flag argparse refused; ``main`` prints it as the one usage line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the whole usage block before its error; the contract is one line.
+    def error(self, message: str) -> typing.NoReturn:
+        raise _UsageError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="moe-gmm",
         description="Validate, train and benchmark the MoE grouped-matmul operators.",
         epilog="exit codes: 0 every check passed, 1 a check failed, 2 bad usage (flag, config, device, backend)",
@@ -75,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _usage_error(message: str) -> int:
-    print(f"moe-gmm: error: {message}", file=sys.stderr)
+    one_line = " ".join(message.split())  # messages quoting a parser's error may span lines
+    print(f"moe-gmm: error: {one_line}", file=sys.stderr)
     return EXIT_USAGE
 
 
@@ -114,6 +127,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from moe_gmm.checksum import CheckpointError
     from moe_gmm.config import ConfigError
     from moe_gmm.report.train import TrainUsageError, run_training
 
@@ -133,7 +147,7 @@ def _train(args: argparse.Namespace) -> int:
             paths=paths,
             profile_steps=args.profile_steps,
         )
-    except (ConfigError, TrainUsageError) as exc:
+    except (ConfigError, TrainUsageError, CheckpointError) as exc:
         return _usage_error(str(exc))
     return EXIT_OK if result.ok else EXIT_FAIL
 
@@ -164,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed usage and the error
+    except _UsageError as exc:
+        return _usage_error(str(exc))
+    except SystemExit as exc:  # --help
         return EXIT_USAGE if exc.code not in (0, None) else EXIT_OK
     handler = {"validate": _validate, "train": _train, "bench": _bench}[args.command]
     return handler(args)

@@ -4,18 +4,26 @@ The YAML keys follow the reference training configuration (``parallel.expert_par
 ``parallel.ep_plan.apply_modules``, ``parallel.ep_plan.dispatcher``, ``model.model_id``,
 ``model.use_grouped_expert_matmul``) plus the model sizes, training steps, seed, dtype and device.
 
-Loading is strict: an unknown key, a value of the wrong type or an impossible combination raises
-:class:`ConfigError` naming the full key path (``parallel.ep_plan.dispatcher``), never a warning.
+Loading is strict: an unknown or duplicate key, a value of the wrong type (``bool`` is not an
+``int``, a string is not a ``bool``), a size < 1, a float that is not finite, a backend name the
+registry does not know or an impossible combination raises :class:`ConfigError` naming the full key
+path (``parallel.ep_plan.dispatcher``), never a warning. The dataclasses also check their field
+types on construction (``TypeError`` naming the field), so a config built in code is held to the
+same types.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from moe_gmm._validation import check_field_types, describe_type
 
 __all__ = [
     "ConfigError",
@@ -34,12 +42,23 @@ Device = Literal["cpu", "cuda", "npu"]
 DType = Literal["bf16", "fp32"]
 
 
+# The synthetic batches seed a generator with ``seed * 1_000_003 + step``; this keeps it in range.
+MAX_SEED = 2**32 - 1
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message starts with the full key path."""
 
 
+class _Typed:
+    """Base of the config dataclasses: field types are checked on construction."""
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+
+
 @dataclass
-class EPPlanConfig:
+class EPPlanConfig(_Typed):
     """Which modules are expert-parallel and how tokens travel (``parallel.ep_plan``).
 
     The YAML side of :class:`moe_gmm.parallel.plan.EPPlan`, which checks the values (pattern
@@ -54,7 +73,7 @@ class EPPlanConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(_Typed):
     """``parallel``: expert parallelism over ``torch.distributed``."""
 
     expert_parallel_size: int = 1
@@ -62,7 +81,7 @@ class ParallelConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Typed):
     """``model``: a Qwen3.5-MoE text model's sizes (Hugging Face ``Qwen3_5MoeTextConfig`` names)."""
 
     model_id: Literal["qwen3_5_moe"] = "qwen3_5_moe"
@@ -91,7 +110,7 @@ class ModelConfig:
 
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(_Typed):
     """``training``: a short run on deterministic synthetic tokens."""
 
     steps: int = 20
@@ -99,13 +118,14 @@ class TrainingConfig:
     seq_len: int = 32
     lr: float = 1.0e-3
     weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    # Max global gradient norm; null or 0 turns clipping off (a negative value is refused).
+    grad_clip: float | None = 1.0
     # Save a checkpoint every this many steps (and at the end); 0 = only at the end.
     checkpoint_every: int = 0
 
 
 @dataclass
-class RunConfig:
+class RunConfig(_Typed):
     """The whole file."""
 
     seed: int = 0
@@ -121,19 +141,6 @@ class RunConfig:
 # ----------------------------------------------------------------------------------------------
 
 
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
 def _convert(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
@@ -141,7 +148,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if origin is Literal:
         if value in typing.get_args(tp) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{path}: expected {describe_type(tp)}, got {value!r}")
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -153,10 +160,10 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, arg, path)
             except ConfigError:
                 continue
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{path}: expected {describe_type(tp)}, got {type(value).__name__} {value!r}")
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{path}: expected {describe_type(tp)}, got {type(value).__name__} {value!r}")
         (item_tp,) = typing.get_args(tp)
         return [_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
@@ -164,6 +171,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -(2**63) <= value < 2**63:
+                raise ConfigError(f"{path}: {value} does not fit in a 64-bit integer")
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -176,7 +185,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             return value
     else:  # pragma: no cover - a schema field of a type this loader does not know
         raise TypeError(f"unsupported config field type {tp!r} at {path}")
-    raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{path}: expected {describe_type(tp)}, got {type(value).__name__} {value!r}")
 
 
 def _build(cls: type, data: Any, path: str) -> Any:
@@ -196,7 +205,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
 
 
 def validate_config(cfg: RunConfig, *, world_size: int | None = None) -> RunConfig:
-    """Reject impossible combinations; ``world_size`` (if known) bounds the EP size."""
+    """Reject out-of-range values and impossible combinations; ``world_size`` (if known) bounds the EP size."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     positive = {
         "model.vocab_size": m.vocab_size,
@@ -205,11 +214,16 @@ def validate_config(cfg: RunConfig, *, world_size: int | None = None) -> RunConf
         "model.num_attention_heads": m.num_attention_heads,
         "model.num_key_value_heads": m.num_key_value_heads,
         "model.head_dim": m.head_dim,
+        "model.linear_key_head_dim": m.linear_key_head_dim,
+        "model.linear_value_head_dim": m.linear_value_head_dim,
+        "model.linear_num_key_heads": m.linear_num_key_heads,
+        "model.linear_num_value_heads": m.linear_num_value_heads,
         "model.full_attention_interval": m.full_attention_interval,
         "model.num_experts": m.num_experts,
         "model.num_experts_per_tok": m.num_experts_per_tok,
         "model.moe_intermediate_size": m.moe_intermediate_size,
         "model.shared_expert_intermediate_size": m.shared_expert_intermediate_size,
+        "model.max_position_embeddings": m.max_position_embeddings,
         "parallel.expert_parallel_size": p.expert_parallel_size,
         "training.steps": t.steps,
         "training.micro_batch_size": t.micro_batch_size,
@@ -218,10 +232,24 @@ def validate_config(cfg: RunConfig, *, world_size: int | None = None) -> RunConf
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
-    if cfg.seed < 0:
-        raise ConfigError(f"seed: must be >= 0, got {cfg.seed}")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise ConfigError(f"seed: must be in [0, {MAX_SEED}], got {cfg.seed}")
+    for key, value in {
+        "training.lr": t.lr,
+        "training.weight_decay": t.weight_decay,
+        "training.grad_clip": t.grad_clip,
+        "model.router_aux_loss_coef": m.router_aux_loss_coef,
+    }.items():
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number, got {value}")
     if t.lr <= 0:
         raise ConfigError(f"training.lr: must be > 0, got {t.lr}")
+    if t.weight_decay < 0:
+        raise ConfigError(f"training.weight_decay: must be >= 0, got {t.weight_decay}")
+    if t.grad_clip is not None and t.grad_clip < 0:
+        raise ConfigError(f"training.grad_clip: must be > 0, or 0 / null for no clipping, got {t.grad_clip}")
+    if m.router_aux_loss_coef < 0:
+        raise ConfigError(f"model.router_aux_loss_coef: must be >= 0, got {m.router_aux_loss_coef}")
     if t.checkpoint_every < 0:
         raise ConfigError(f"training.checkpoint_every: must be >= 0, got {t.checkpoint_every}")
     if m.num_experts_per_tok > m.num_experts:
@@ -233,6 +261,26 @@ def validate_config(cfg: RunConfig, *, world_size: int | None = None) -> RunConf
             f"model.num_key_value_heads: {m.num_key_value_heads} must divide "
             f"model.num_attention_heads {m.num_attention_heads}"
         )
+    if m.linear_num_value_heads % m.linear_num_key_heads:
+        raise ConfigError(
+            f"model.linear_num_value_heads: {m.linear_num_value_heads} must be a multiple of "
+            f"model.linear_num_key_heads {m.linear_num_key_heads}"
+        )
+    if m.full_attention_interval > m.num_hidden_layers:
+        raise ConfigError(
+            f"model.full_attention_interval: {m.full_attention_interval} exceeds model.num_hidden_layers "
+            f"{m.num_hidden_layers} (the model needs at least one full-attention layer)"
+        )
+    if t.seq_len > m.max_position_embeddings:
+        raise ConfigError(
+            f"training.seq_len: {t.seq_len} exceeds model.max_position_embeddings {m.max_position_embeddings}"
+        )
+    if m.gmm_backend is not None:
+        from moe_gmm.ops.backends import registered_backends
+
+        names = sorted(registered_backends())
+        if m.gmm_backend not in names:
+            raise ConfigError(f"model.gmm_backend: {m.gmm_backend!r} is not a registered backend; registered: {names}")
     if m.num_experts % p.expert_parallel_size:
         raise ConfigError(
             f"parallel.expert_parallel_size: {p.expert_parallel_size} must divide model.num_experts "
@@ -266,14 +314,53 @@ def load_config(path: str | Path, *, world_size: int | None = None) -> RunConfig
 
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"config file {str(path)!r}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_unique_key_loader())
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(path)!r}: not valid YAML ({exc})") from None
+        one_line = " ".join(str(exc).split())
+        raise ConfigError(f"config file {str(path)!r}: not valid YAML ({one_line})") from None
     return parse_config(data, world_size=world_size)
+
+
+@functools.cache
+def _unique_key_loader() -> type:
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the last)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_document(self, node):
+            _refuse_duplicate_keys(node, "", set())
+            return super().construct_document(node)
+
+    return UniqueKeyLoader
+
+
+def _refuse_duplicate_keys(node: Any, path: str, seen_nodes: set[int]) -> None:
+    import yaml
+
+    if id(node) in seen_nodes:  # aliases share nodes and may even form cycles
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{path}[{i}]", seen_nodes)
+    elif isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else repr(key_node.value)
+            full = f"{path}.{key}" if path else key
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise ConfigError(f"{full}: duplicate key (lines {lines[key]} and {line}; give it once)")
+            lines[key] = line
+            _refuse_duplicate_keys(value_node, full, seen_nodes)
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -270,3 +270,33 @@ def _check_against_reference(num_tokens, num_experts, top_k, hidden, inter, shar
     check_grad(x, x64, "d x")
     for n, p in block.named_parameters():
         check_grad(p, leaves[n], f"d {n}")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("norm_topk_prob", "no"),
+        ("norm_topk_prob", 0),
+        ("use_grouped_expert_matmul", "false"),
+        ("fused_permute", 1),
+        ("pad_expert_weight_rows", None),
+        ("hidden_size", True),
+        ("hidden_size", 16.0),
+        ("num_experts", "8"),
+        ("shared_expert_intermediate_size", 8.5),
+        ("router_aux_loss_coef", "0.1"),
+        ("router_aux_loss_coef", False),
+        ("gmm_backend", 3),
+    ],
+)
+def test_config_checks_field_types_on_construction(field, value):
+    # At construction, not at the first forward, and naming the option.
+    with pytest.raises(TypeError, match=rf"^MoeBlockConfig\.{field}: expected "):
+        MoeBlockConfig(**{field: value})
+
+
+def test_config_accepts_ints_for_floats_and_refuses_non_finite():
+    assert MoeBlockConfig(router_aux_loss_coef=0).router_aux_loss_coef == 0
+    for bad in (float("nan"), float("inf"), -1e-3):
+        with pytest.raises(ValueError, match="router_aux_loss_coef"):
+            MoeBlockConfig(router_aux_loss_coef=bad)

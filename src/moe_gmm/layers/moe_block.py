@@ -17,6 +17,7 @@ its gate are plain ``nn.Linear``. Each phase carries a ``torch.profiler.record_f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from moe_gmm._validation import check_field_types
 from moe_gmm.layers.experts import GroupedExperts
 from moe_gmm.layers.router import TopKRouter, load_balancing_loss
 
@@ -56,23 +58,22 @@ class MoeBlockConfig:
     pad_expert_weight_rows: bool = False
 
     def __post_init__(self) -> None:
+        # Types first: a string 'false' or an int 1 would otherwise pass as truthy or fail at the first forward.
+        check_field_types(self)
         for name in ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        sei = self.shared_expert_intermediate_size
-        if isinstance(sei, bool) or not isinstance(sei, int) or sei < 0:
-            raise ValueError(f"shared_expert_intermediate_size must be an int >= 0, got {sei!r}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                f"shared_expert_intermediate_size must be an int >= 0, got {self.shared_expert_intermediate_size}"
+            )
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok must be <= num_experts = {self.num_experts}, got {self.num_experts_per_tok}"
             )
-        if not self.router_aux_loss_coef >= 0.0:
-            raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
-        if self.gmm_backend is not None and not isinstance(self.gmm_backend, str):
-            raise TypeError(f"gmm_backend must be a backend name or None, got {type(self.gmm_backend).__name__}")
-        if not isinstance(self.pad_expert_weight_rows, bool):
-            raise TypeError(f"pad_expert_weight_rows must be a bool, got {type(self.pad_expert_weight_rows).__name__}")
+        if not 0.0 <= self.router_aux_loss_coef < math.inf:
+            raise ValueError(f"router_aux_loss_coef must be finite and >= 0, got {self.router_aux_loss_coef!r}")
 
 
 class SharedExpertMLP(nn.Module):

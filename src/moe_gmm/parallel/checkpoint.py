@@ -19,10 +19,18 @@ All ranks must see the same directory (a shared filesystem across nodes).
 For a model too large for one device: build it under ``torch.device("meta")``, call
 ``apply_expert_parallel``, then ``model.to_empty(device=...)`` (allocating only the local expert
 shards) and :func:`load_ep_checkpoint`.
+
+Integrity: each file's metadata holds ``moe_gmm.sha256``, a JSON map from tensor name to the sha256
+of its bytes; expert tensors get one digest per expert, so a rank verifies exactly the rows it
+reads. Loading verifies every tensor it reads; every failure (missing or truncated file, bad index
+JSON, missing tensor, wrong shape or dtype, changed bytes) is a
+:class:`~moe_gmm.checksum.CheckpointError` naming the file and the tensor, raised before any
+parameter is touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -33,13 +41,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from moe_gmm.checksum import CheckpointError, tensor_digest
 from moe_gmm.parallel.comm import collective
 from moe_gmm.parallel.layout import EXPERT_PARAMS, ExpertShard, ExpertsLayout, experts_layout
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "load_ep_checkpoint", "save_ep_checkpoint"]
+__all__ = ["CHECKSUM_KEY", "INDEX_NAME", "SINGLE_NAME", "CheckpointError", "load_ep_checkpoint", "save_ep_checkpoint"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+CHECKSUM_KEY = "moe_gmm.sha256"
 
 
 def _expert_tensors(model: nn.Module) -> dict[str, tuple[ExpertsLayout, ExpertShard | None]]:
@@ -125,7 +135,10 @@ def save_ep_checkpoint(model: nn.Module, directory: str | os.PathLike, group: di
         # Own memory per tensor: safetensors refuses tensors that share storage (tied weights).
         mine[key] = tensor.clone(memory_format=torch.contiguous_format)
     if mine:
-        save_file(mine, str(directory / file_of[rank]), metadata={"format": "pt"})
+        # Expert tensors: one digest per expert (dim 0), the unit a sharded load reads.
+        digests = {k: [tensor_digest(row) for row in t] if k in experts else tensor_digest(t) for k, t in mine.items()}
+        metadata = {"format": "pt", CHECKSUM_KEY: json.dumps(digests, sort_keys=True)}
+        save_file(mine, str(directory / file_of[rank]), metadata=metadata)
     if rank == writers[0] and len(writers) > 1:
         index = {
             "metadata": {"total_size": sum(nbytes.values())},
@@ -138,23 +151,84 @@ def save_ep_checkpoint(model: nn.Module, directory: str | os.PathLike, group: di
 
 
 def _weight_map(directory: Path) -> dict[str, str]:
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint {str(directory)!r}: not a directory")
     index = directory / INDEX_NAME
     if index.exists():
-        return json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(
+                f"checkpoint index {str(index)!r}: unreadable ({type(exc).__name__}: {exc})"
+            ) from None
+        bad = [k for k, v in weight_map.items() if not isinstance(v, str)] if isinstance(weight_map, dict) else [""]
+        if bad:
+            raise CheckpointError(f"checkpoint index {str(index)!r}: weight_map entry {bad[0]!r} is not a file name")
+        return weight_map
     single = directory / SINGLE_NAME
     if not single.exists():
-        raise FileNotFoundError(f"directory: neither {INDEX_NAME} nor {SINGLE_NAME} in {str(directory)!r}")
-    with safe_open(str(single), framework="pt") as f:
+        raise CheckpointError(f"checkpoint {str(directory)!r}: neither {INDEX_NAME} nor {SINGLE_NAME} in it")
+    with _reading(single, None), safe_open(str(single), framework="pt") as f:
         return {k: SINGLE_NAME for k in f.keys()}  # noqa: SIM118 - a safetensors handle, not a dict
 
 
+@contextlib.contextmanager
+def _reading(path: Path, key: str | None):
+    """Turn whatever the safetensors reader raises into a CheckpointError naming the file (and tensor)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - missing, truncated or malformed files raise many types
+        tensor = f", tensor {key!r}" if key is not None else ""
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r}{tensor}: unreadable ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _digests(f, path: Path, verify: bool) -> dict:
+    if not verify:
+        return {}
+    raw = (f.metadata() or {}).get(CHECKSUM_KEY)
+    if raw is None:
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r}: no {CHECKSUM_KEY} checksums (not written by save_ep_checkpoint; "
+            "pass verify=False to load it unchecked)"
+        )
+    try:
+        digests = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint file {str(path)!r}: {CHECKSUM_KEY} is not JSON ({exc})") from None
+    if not isinstance(digests, dict):
+        raise CheckpointError(f"checkpoint file {str(path)!r}: {CHECKSUM_KEY} is not a JSON object")
+    return digests
+
+
+def _verify(tensor: torch.Tensor, expected, first_row: int, full: bool, path: Path, key: str) -> None:
+    """``tensor`` is rows ``[first_row, ...)`` of the stored tensor (all of it when ``full``)."""
+    if isinstance(expected, list):  # one digest per expert
+        wanted = expected[first_row : first_row + tensor.shape[0]]
+        ok = len(wanted) == tensor.shape[0] and all(tensor_digest(r) == d for r, d in zip(tensor, wanted))
+        ok = ok and (not full or len(expected) == tensor.shape[0])
+    elif isinstance(expected, str) and full:
+        ok = tensor_digest(tensor) == expected
+    else:
+        raise CheckpointError(f"checkpoint file {str(path)!r}, tensor {key!r}: no usable checksum ({expected!r:.80})")
+    if not ok:
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r}, tensor {key!r}: does not match its checksum (the data changed)"
+        )
+
+
 @torch.no_grad()
-def load_ep_checkpoint(model: nn.Module, directory: str | os.PathLike) -> None:
+def load_ep_checkpoint(model: nn.Module, directory: str | os.PathLike, *, verify: bool = True) -> None:
     """Load a checkpoint written by :func:`save_ep_checkpoint` (at any EP size) into ``model``.
 
     ``model`` may be sharded at any EP size (or not at all); each rank reads only its own expert
-    rows. Strict: a missing or unexpected key, or a shape or dtype that differs, raises
-    ``ValueError`` before any parameter is touched.
+    rows. Strict: a missing or unexpected key, a shape or dtype that differs, or (``verify``) a
+    tensor whose bytes do not match their checksum raises :class:`CheckpointError` (a
+    ``ValueError``) naming the file and the tensor, before any parameter is touched.
+    ``verify=False`` loads files without checksums (e.g. from ``save_pretrained``).
     """
     directory = Path(directory)
     weight_map = _weight_map(directory)
@@ -163,33 +237,52 @@ def load_ep_checkpoint(model: nn.Module, directory: str | os.PathLike) -> None:
     missing = sorted(set(state) - set(weight_map))
     unexpected = sorted(set(weight_map) - set(state))
     if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {str(directory)!r} does not match the model: missing keys {missing[:8]}, "
-            f"unexpected keys {unexpected[:8]}"
+        source = directory / (INDEX_NAME if (directory / INDEX_NAME).exists() else SINGLE_NAME)
+        raise CheckpointError(
+            f"checkpoint {str(source)!r} does not match the model: missing tensors {missing[:8]}, "
+            f"unexpected tensors {unexpected[:8]}"
         )
     loaded: dict[str, torch.Tensor] = {}
     by_file: dict[str, list[str]] = {}
     for key in sorted(state):
         by_file.setdefault(weight_map[key], []).append(key)
     for fname, keys in by_file.items():
-        with safe_open(str(directory / fname), framework="pt") as f:
+        path = directory / fname
+        with _reading(path, None), safe_open(str(path), framework="pt") as f:
+            digests = _digests(f, path, verify)
             for key in keys:
-                layout, shard = experts.get(key, (None, None))
-                target = state[key]
-                sl = f.get_slice(key)
-                shape = tuple(sl.get_shape())
-                if shape != _full_shape(target, layout, shard):
-                    raise ValueError(
-                        f"checkpoint tensor {key!r} has shape {shape}, the model expects "
-                        f"{_full_shape(target, layout, shard)} (in the Hugging Face layout)"
-                    )
-                if shard is not None:
-                    lo = shard.first_expert
-                    tensor = sl[lo : lo + shard.num_local_experts]
-                else:
-                    tensor = f.get_tensor(key)
-                if tensor.dtype != target.dtype:
-                    raise ValueError(f"checkpoint tensor {key!r} is {tensor.dtype}, the model's is {target.dtype}")
-                loaded[key] = layout.from_hf(tensor) if layout is not None else tensor
+                with _reading(path, key):
+                    loaded[key] = _read_tensor(f, path, key, state[key], *experts.get(key, (None, None)))
+                    if verify:
+                        if key not in digests:
+                            raise CheckpointError(f"checkpoint file {str(path)!r}, tensor {key!r}: no checksum")
+                        shard = experts.get(key, (None, None))[1]
+                        first, full = (shard.first_expert, False) if shard is not None else (0, True)
+                        _verify(loaded[key], digests[key], first, full, path, key)
+                    layout = experts.get(key, (None, None))[0]
+                    if layout is not None:
+                        loaded[key] = layout.from_hf(loaded[key])
     for key, tensor in loaded.items():
         state[key].copy_(tensor)
+
+
+def _read_tensor(
+    f, path: Path, key: str, target: torch.Tensor, layout: ExpertsLayout | None, shard: ExpertShard | None
+) -> torch.Tensor:
+    """The stored (Hugging Face layout) tensor, or this rank's expert rows of it, shape and dtype checked."""
+    where = f"checkpoint file {str(path)!r}, tensor {key!r}"
+    sl = f.get_slice(key)
+    shape = tuple(sl.get_shape())
+    if shape != _full_shape(target, layout, shard):
+        raise CheckpointError(
+            f"{where}: has shape {shape}, the model expects "
+            f"{_full_shape(target, layout, shard)} (in the Hugging Face layout)"
+        )
+    if shard is not None:
+        lo = shard.first_expert
+        tensor = sl[lo : lo + shard.num_local_experts]
+    else:
+        tensor = f.get_tensor(key)
+    if tensor.dtype != target.dtype:
+        raise CheckpointError(f"{where}: is {tensor.dtype}, the model's is {target.dtype}")
+    return tensor

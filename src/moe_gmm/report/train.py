@@ -8,7 +8,8 @@ eager per-expert loop.
 
 Outputs in ``out_dir``: ``losses.csv``, ``losses.png``, ``train_report.{md,json}``, one checkpoint
 per path (``ckpt_<path>.pt``, model + optimizer + losses; ``--resume`` continues from it and
-reproduces the losses of an uninterrupted run).
+reproduces the losses of an uninterrupted run). ``init.pt`` and the checkpoints carry a checksum per
+tensor (:mod:`moe_gmm.report.train_checkpoint`); a damaged one is a usage error before any step.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-from moe_gmm.config import RunConfig, load_config
+from moe_gmm._validation import writable_directory
+from moe_gmm.checksum import CheckpointError
+from moe_gmm.config import ConfigError, RunConfig, load_config
 from moe_gmm.report.distributed import (
     Runtime,
     apply_ep,
@@ -33,6 +36,7 @@ from moe_gmm.report.distributed import (
 )
 from moe_gmm.report.model import Report
 from moe_gmm.report.timing import measure_phases, synchronize
+from moe_gmm.report.train_checkpoint import check_state, load_checked, save_checked
 from moe_gmm.report.train_outputs import loss_report, write_outputs
 
 __all__ = ["TrainResult", "TrainUsageError", "build_model", "run_training", "synthetic_batch"]
@@ -43,6 +47,9 @@ PATHS = ("fused", "eager")
 
 class TrainUsageError(ValueError):
     """The run cannot start as asked (no checkpoint to resume from, no CUDA...): exit code 2."""
+
+
+_CKPT_PARTS = ("model", "optimizer", "step", "losses", "step_ms")
 
 
 @dataclass
@@ -154,11 +161,13 @@ class _Run:
     device: torch.device
     dtype: torch.dtype
     out: Path
+    init_state: dict[str, torch.Tensor]
 
     def model(self, path: str, state: dict | None = None) -> torch.nn.Module:
         """The model for ``path`` from ``init.pt``, sharded over the EP group, then ``state`` loaded."""
         model = build_model(self.cfg, path)
-        model.load_state_dict(torch.load(self.out / "init.pt", weights_only=True))
+        check_state(self.init_state, model.state_dict(), self.out / "init.pt")
+        model.load_state_dict(self.init_state)
         model.to(device=self.device, dtype=self.dtype).train()
         fused = path == "fused" and self.cfg.model.use_grouped_expert_matmul
         apply_ep(model, self.rt, self.cfg, fused=fused, backend=self.cfg.model.gmm_backend)
@@ -177,7 +186,7 @@ class _Run:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         finish_backward(model, self.rt)
-        if self.cfg.training.grad_clip > 0:
+        if self.cfg.training.grad_clip:  # null or 0: no clipping
             clip_grad_norm(model, self.cfg.training.grad_clip, self.rt)
         opt.step()
         # Host sync: the loss is logged every step (the mean over ranks is the global batch's loss).
@@ -185,37 +194,41 @@ class _Run:
 
 
 def _save(path: Path, model, opt, step: int, losses: list[float], step_ms: list[float]) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": opt.state_dict(),
-            "step": step,
-            "losses": losses,
-            "step_ms": step_ms,
-        },
-        tmp,
-    )
-    os.replace(tmp, path)  # never leave a half-written checkpoint behind
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    save_checked(path, {**state, "step": step, "losses": losses, "step_ms": step_ms})
 
 
-def _run_path(run: _Run, path: str, steps: int, resume: bool, progress, profile_steps: int) -> tuple:
+def _resume_state(run: _Run, path: str, steps: int) -> dict:
+    """The checked checkpoint of ``path``: readable, every checksum right, short of ``steps``."""
+    ckpt_path = run.checkpoint(path)
+    if not ckpt_path.exists():
+        raise TrainUsageError(f"--resume: no checkpoint {ckpt_path} (run without --resume first)")
+    state = load_checked(ckpt_path, _CKPT_PARTS)
+    losses, step_ms = state["losses"], state["step_ms"]
+    if not (isinstance(losses, list) and isinstance(step_ms, list) and len(losses) == len(step_ms) == state["step"]):
+        raise CheckpointError(f"checkpoint {str(ckpt_path)!r}: step, losses and step_ms disagree")
+    if len(losses) >= steps:
+        raise TrainUsageError(f"--resume: checkpoint {ckpt_path} is already at step {len(losses)} >= --steps {steps}")
+    if not run.rt.distributed:  # an unsharded model: its shapes are init.pt's, so check them now
+        expected = {k: torch.empty(v.shape, dtype=run.dtype, device="meta") for k, v in run.init_state.items()}
+        check_state(state["model"], expected, ckpt_path)
+    return state
+
+
+def _run_path(run: _Run, path: str, steps: int, state: dict | None, progress, profile_steps: int) -> tuple:
     model = run.model(path)
     opt = _optimizer(run.cfg, model)
     ckpt_path = run.checkpoint(path)
     losses: list[float] = []
     step_ms: list[float] = []
-    if resume:
-        if not ckpt_path.exists():
-            raise TrainUsageError(f"--resume: no checkpoint {ckpt_path} (run without --resume first)")
-        state = torch.load(ckpt_path, weights_only=True)
+    if state is not None:
+        check_state(state["model"], model.state_dict(), ckpt_path)  # before anything is copied
         model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        try:
+            opt.load_state_dict(state["optimizer"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {str(ckpt_path)!r}: optimizer state does not fit ({exc})") from None
         losses, step_ms = list(state["losses"]), list(state["step_ms"])
-        if len(losses) >= steps:
-            raise TrainUsageError(
-                f"--resume: checkpoint {ckpt_path} is already at step {len(losses)} >= --steps {steps}"
-            )
     task = progress.add_task(f"train {path}", total=steps, completed=len(losses))
     every = run.cfg.training.checkpoint_every
     for step in range(len(losses) + 1, steps + 1):
@@ -261,24 +274,34 @@ def run_training(
         raise TrainUsageError("moe-gmm train builds a transformers model: pip install 'moe-gmm[hf]'")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise TrainUsageError("device: cuda requested but torch.cuda.is_available() is False")
+    if cfg.device == "npu" and importlib.util.find_spec("torch_npu") is None:
+        raise TrainUsageError("device: npu requested but torch_npu is not installed")
+    if "fused" in paths:
+        _check_backend(cfg)
     out = Path(out_dir)
     if resume and not (out / "init.pt").exists():
         raise TrainUsageError(f"--resume: no {out / 'init.pt'} (run without --resume first)")
+    try:
+        writable_directory(out, "--out")
+    except ValueError as exc:
+        raise TrainUsageError(str(exc)) from None
     rt = setup_runtime(cfg)
     try:
-        run = _Run(cfg, rt, torch.device(cfg.device), _DTYPES[cfg.dtype], out)
         steps = steps or cfg.training.steps
-        if rt.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            if not resume:
-                torch.save(build_model(cfg, "eager").state_dict(), out / "init.pt")
+        if rt.is_main and not resume:
+            save_checked(out / "init.pt", {"model": build_model(cfg, "eager").state_dict()})
         _barrier(rt)
+        init_state = load_checked(out / "init.pt", ("model",))["model"]
+        run = _Run(cfg, rt, torch.device(cfg.device), _DTYPES[cfg.dtype], out, init_state)
+        # Every checkpoint is checked before the first step, so a damaged one never costs a run.
+        states = {path: _resume_state(run, path, steps) if resume else None for path in paths}
         console = console or wide_console()
         losses, step_ms, phases = {}, {}, {}
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=False, disable=not rt.is_main) as progress:
             for path in paths:
-                losses[path], step_ms[path], phases[path] = _run_path(run, path, steps, resume, progress, profile_steps)
+                state = states.pop(path)
+                losses[path], step_ms[path], phases[path] = _run_path(run, path, steps, state, progress, profile_steps)
         report, max_diff = loss_report(cfg, losses, step_ms, phases, run.dtype, rt.world)
         files: dict[str, Path] = {}
         if rt.is_main:
@@ -293,6 +316,33 @@ def run_training(
 
             dist.destroy_process_group()
     return TrainResult(losses, step_ms, max_diff, report, files)
+
+
+def _check_backend(cfg: RunConfig) -> None:
+    """The fused path's backend must run the two expert matmuls on this device and dtype (not fail at step 1).
+
+    With ``model.gmm_backend: null`` the choice is ``$MOE_GMM_BACKEND``'s or automatic; a bad
+    environment value is named as such.
+    """
+    m = cfg.model
+    if not m.use_grouped_expert_matmul:
+        return
+    from moe_gmm.ops.backends import BACKEND_ENV_VAR, select_backend
+
+    key = (
+        "model.gmm_backend"
+        if m.gmm_backend is not None or not os.environ.get(BACKEND_ENV_VAR)
+        else f"${BACKEND_ENV_VAR}"
+    )
+
+    device, dtype = torch.device(cfg.device), _DTYPES[cfg.dtype]
+    for k_dim, n_dim in ((m.hidden_size, 2 * m.moe_intermediate_size), (m.moe_intermediate_size, m.hidden_size)):
+        x = torch.empty(1, k_dim, dtype=dtype, device=device)
+        w = torch.empty(1, k_dim, n_dim, dtype=dtype, device=device)
+        try:
+            select_backend(x, w, m.gmm_backend)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
 
 
 def _barrier(rt: Runtime) -> None:

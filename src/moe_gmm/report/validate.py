@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from moe_gmm.config import ModelConfig
+from moe_gmm._validation import writable_directory
+from moe_gmm.config import MAX_SEED, ModelConfig
 from moe_gmm.ops import grouped_matmul
-from moe_gmm.ops.backends import get_backend, select_backend
+from moe_gmm.ops.backends import BACKEND_ENV_VAR, get_backend, select_backend
 from moe_gmm.report.checks import (
     allclose_row,
     dtype_name,
@@ -109,13 +110,17 @@ def _check_options(opts: ValidateOptions) -> torch.device:
             raise ValidationUsageError("--device npu: torch_npu is not installed") from None
     if opts.device not in ("cpu", "cuda", "npu"):
         raise ValidationUsageError(f"--device must be cpu, cuda or npu, got {opts.device!r}")
+    if isinstance(opts.seed, bool) or not isinstance(opts.seed, int) or not 0 <= opts.seed <= MAX_SEED:
+        raise ValidationUsageError(f"--seed must be an int in [0, {MAX_SEED}], got {opts.seed!r}")
     device = torch.device(opts.device)
-    if opts.backend is not None:
-        try:
+    try:
+        if opts.backend is not None:
             get_backend(opts.backend)
-            _fused_backend_names(opts, device, MODEL_PRESETS[opts.model])
-        except ValueError as exc:
-            raise ValidationUsageError(f"--backend {opts.backend}: {exc}") from None
+        _fused_backend_names(opts, device, MODEL_PRESETS[opts.model])
+    except ValueError as exc:
+        # Without --backend the choice is $MOE_GMM_BACKEND's (or automatic).
+        flag = f"--backend {opts.backend}" if opts.backend is not None else f"${BACKEND_ENV_VAR}"
+        raise ValidationUsageError(f"{flag}: {exc}") from None
     return device
 
 
@@ -203,6 +208,11 @@ def run_validation(opts: ValidateOptions, out_dir: str | Path | None = None, pro
     from moe_gmm.report import hf_checks, layer_checks, perf_checks
 
     device = _check_options(opts)
+    if out_dir is not None:  # before the minutes of work, not after
+        try:
+            writable_directory(out_dir, "--out")
+        except ValueError as exc:
+            raise ValidationUsageError(str(exc)) from None
     shape = MODEL_PRESETS[opts.model]
     torch.manual_seed(opts.seed)
     fused_backend = _fused_backend_names(opts, device, shape)
