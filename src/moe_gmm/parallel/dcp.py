@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from moe_gmm.checksum import CheckpointError
 from moe_gmm.parallel.layout import EXPERT_PARAMS
 
-__all__ = ["checkpoint_metadata", "export_hf", "import_hf", "load_checkpoint", "save_checkpoint"]
+__all__ = ["checkpoint_extra", "checkpoint_metadata", "export_hf", "import_hf", "load_checkpoint", "save_checkpoint"]
 
 
 def _distributed() -> bool:
@@ -101,7 +101,8 @@ def save_checkpoint(
 
     Collective over the default process group when one exists (every rank writes its shards);
     one process otherwise. ``extra``: small picklable values (step, losses) restored by
-    :func:`load_checkpoint`.
+    :func:`load_checkpoint`. The directory is written beside the old one and swapped in once
+    complete, so a run killed while saving keeps its previous checkpoint.
     """
     state = _state(model, optimizer)
     _check_experts_global(model, state["model"])
@@ -109,8 +110,23 @@ def save_checkpoint(
         if not isinstance(extra, dict):
             raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
         state["extra"] = dict(extra)
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    dcp.save(state, checkpoint_id=str(directory), no_dist=not _distributed())
+    path = Path(directory)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    main = not _distributed() or dist.get_rank() == 0
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if _distributed():
+        dist.barrier()
+    dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
+    if main:  # every rank's files and the metadata are written when save returns
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    if _distributed():
+        dist.barrier()
 
 
 def checkpoint_metadata(directory: str | os.PathLike) -> Metadata:
@@ -124,6 +140,20 @@ def checkpoint_metadata(directory: str | os.PathLike) -> Metadata:
         raise CheckpointError(
             f"checkpoint {str(path)!r}: no readable DCP metadata ({type(exc).__name__}: {exc})"
         ) from None
+
+
+def checkpoint_extra(directory: str | os.PathLike, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The ``extra`` values ``keys`` of a :func:`save_checkpoint` directory, without a model (collective if distributed)."""
+    metadata = checkpoint_metadata(directory)
+    missing = [k for k in keys if f"extra.{k}" not in metadata.state_dict_metadata]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(directory)!r}: no {missing} (not written by save_checkpoint?)")
+    target: dict[str, Any] = {f"extra.{k}": None for k in keys}
+    try:
+        dcp.load(target, checkpoint_id=str(directory), no_dist=not _distributed())
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {str(directory)!r}: unreadable ({_cause(exc)})") from None
+    return {k: target[f"extra.{k}"] for k in keys}
 
 
 def _files_of(metadata: Metadata, key: str) -> str:
