@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,14 @@ __all__ = ["checkpoint_extra", "checkpoint_metadata", "export_hf", "import_hf", 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _dcp(call: Callable[..., Any], state: dict[str, Any], **kwargs: Any) -> Any:
+    """``dcp.save`` / ``dcp.load`` over the default group, or in one process without its warning."""
+    with warnings.catch_warnings():
+        # One process without a process group is a supported use here, not a mistake to warn about.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        return call(state, no_dist=not _distributed(), **kwargs)
 
 
 def _expert_rows(model: nn.Module) -> dict[str, int]:
@@ -118,7 +128,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     if _distributed():
         dist.barrier()
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
+    _dcp(dcp.save, state, checkpoint_id=str(tmp))
     if main:  # every rank's files and the metadata are written when save returns
         shutil.rmtree(old, ignore_errors=True)
         if path.exists():
@@ -150,7 +160,7 @@ def checkpoint_extra(directory: str | os.PathLike, keys: tuple[str, ...]) -> dic
         raise CheckpointError(f"checkpoint {str(directory)!r}: no {missing} (not written by save_checkpoint?)")
     target: dict[str, Any] = {f"extra.{k}": None for k in keys}
     try:
-        dcp.load(target, checkpoint_id=str(directory), no_dist=not _distributed())
+        _dcp(dcp.load, target, checkpoint_id=str(directory))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {str(directory)!r}: unreadable ({_cause(exc)})") from None
     return {k: target[f"extra.{k}"] for k in keys}
@@ -238,7 +248,7 @@ def load_checkpoint(
     for key in extra_keys:
         target[key] = None
     try:
-        dcp.load(target, checkpoint_id=str(directory), no_dist=not _distributed())
+        _dcp(dcp.load, target, checkpoint_id=str(directory))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - truncated or missing files raise many types
         raise CheckpointError(f"{where}: unreadable ({_cause(exc)})") from None
     bad = _first_non_finite({k: target[k] for k in flat})
@@ -267,7 +277,7 @@ def export_hf(model: nn.Module, directory: str | os.PathLike) -> None:
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     writer = dcp.HuggingFaceStorageWriter(str(path), save_distributed=True, enable_consolidation=True)
-    dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+    _dcp(dcp.save, state, storage_writer=writer)
     if not _distributed() or dist.get_rank() == 0:
         # The per-rank files the consolidation merged: from_pretrained needs only the merged ones.
         shutil.rmtree(path / "sharded", ignore_errors=True)
@@ -298,7 +308,7 @@ def import_hf(model: nn.Module, directory: str | os.PathLike) -> None:
     _agree(_check_against(metadata, state, where))
     target = _empty_like(state)
     try:
-        dcp.load(target, storage_reader=reader, no_dist=not _distributed())
+        _dcp(dcp.load, target, storage_reader=reader)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001
         raise CheckpointError(f"{where}: unreadable ({_cause(exc)})") from None
     bad = _first_non_finite(target)
