@@ -131,6 +131,18 @@ def test_impossible_combinations():
     assert parse_config(data, world_size=2).parallel.expert_parallel_size == 2
 
 
+def test_data_parallel_shard_must_fit_the_world():
+    data = _set(_tiny(), "parallel.expert_parallel_size", 2)
+    with pytest.raises(ConfigError, match=r"^parallel\.data_parallel_shard: must be >= 1 or null, got 0"):
+        parse_config(_set(data, "parallel.data_parallel_shard", 0))
+    with pytest.raises(ConfigError, match=r"^parallel\.data_parallel_shard: expected int or null, got str"):
+        parse_config(_set(data, "parallel.data_parallel_shard", "2"))
+    with pytest.raises(ConfigError, match=r"^parallel\.data_parallel_shard: 3 x parallel\.expert_parallel_size 2 = 6 "):
+        parse_config(_set(data, "parallel.data_parallel_shard", 3), world_size=4)
+    assert parse_config(_set(data, "parallel.data_parallel_shard", 2), world_size=4).parallel.data_parallel_shard == 2
+    assert parse_config(data, world_size=4).parallel.data_parallel_shard is None  # null: world / ep
+
+
 def test_config_error_is_a_value_error_and_file_errors_are_config_errors(tmp_path):
     assert issubclass(ConfigError, ValueError)
     with pytest.raises(ConfigError, match="cannot be read"):
