@@ -52,7 +52,8 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
     Rank r keeps the contiguous block of experts ``[r * E / ep, (r + 1) * E / ep)`` as plain
     parameters (so build the optimizer afterwards) and the module's forward becomes the dispatcher
     path with the same ``(hidden_TH, top_k_index_Tk, top_k_weights_Tk) -> out_TH`` signature and
-    global expert ids. Every other parameter stays whole (replicated; see :func:`sync_gradients`).
+    global expert ids. Every other parameter stays whole (replicated); ``parallelize_moe`` and
+    ``replicate_moe`` call this and then set up the gradient reductions.
 
     Collective: every rank of ``ep_group`` must call it. Problems are gathered from all ranks and
     raised as one ``ValueError`` on every rank (never a hang): a pattern matching nothing or two
