@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 transformers = pytest.importorskip("transformers")
 
 from moe_gmm.checksum import CheckpointError, tensor_digest
-from moe_gmm.parallel import EPPlan, apply_expert_parallel, parallelize_moe
+from moe_gmm.parallel import EPPlan, apply_expert_parallel, parallelize_moe, replicate_moe
 from moe_gmm.parallel.dcp import checkpoint_metadata, export_hf, import_hf, load_checkpoint, save_checkpoint
 from moe_gmm.parallel.launch import run_ranks
 from tests.helpers.mesh_runs import HF_PATTERN, mesh, qwen3_moe
@@ -91,6 +91,8 @@ def _four_rank_worker(rank: int, world: int, root: str) -> dict:
     plain_shards = qwen3_moe(seed=5)
     apply_expert_parallel(plain_shards, None, EPPlan(4, [HF_PATTERN]))
     report["plain_shards"] = _error(lambda: save_checkpoint(Path(root) / "bad", plain_shards))
+    ddp = replicate_moe(qwen3_moe(seed=5), mesh(2, 2), EPPlan(2, [HF_PATTERN]))
+    report["ddp_shards"] = _error(lambda: save_checkpoint(Path(root) / "bad", ddp.model))
     return report
 
 
@@ -168,6 +170,8 @@ def test_mismatches_are_refused_on_every_rank(saved):
         assert "the target's is (16, 32, 32)" in report["wrong_E"] and ".distcp" in report["wrong_E"]
         assert report["plain_shards"].startswith("ValueError: model: expert parameter"), report["plain_shards"]
         assert "plain shard of shape (2, 32, 32) of E=8" in report["plain_shards"]
+        assert report["ddp_shards"].startswith("ValueError: model: expert parameter"), report["ddp_shards"]
+        assert "plain shard of shape (4, 32, 32) of E=8" in report["ddp_shards"]
 
 
 def test_non_finite_and_damaged_checkpoints_are_refused(tmp_path):

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from moe_gmm.checksum import CheckpointError
 from moe_gmm.parallel.layout import EXPERT_PARAMS
@@ -75,6 +76,8 @@ def _expert_rows(model: nn.Module) -> dict[str, int]:
 
 
 def _check_experts_global(model: nn.Module, state: dict[str, Any]) -> None:
+    if isinstance(model, DistributedDataParallel):  # the state dict's names are the inner module's
+        model = model.module
     for fqn, num_experts in _expert_rows(model).items():
         value = state.get(fqn)
         if value is not None and value.shape[0] != num_experts:
