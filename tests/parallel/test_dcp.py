@@ -91,7 +91,12 @@ def _four_rank_worker(rank: int, world: int, root: str) -> dict:
     plain_shards = qwen3_moe(seed=5)
     apply_expert_parallel(plain_shards, None, EPPlan(4, [HF_PATTERN]))
     report["plain_shards"] = _error(lambda: save_checkpoint(Path(root) / "bad", plain_shards))
-    ddp = replicate_moe(qwen3_moe(seed=5), mesh(2, 2), EPPlan(2, [HF_PATTERN]))
+    # replicate_moe (plain expert shards) through its handle: the (2, 2) checkpoint loads at (1, 4)
+    # and is saved again from there; the test process checks that copy bitwise.
+    ddp = replicate_moe(qwen3_moe(seed=5), mesh(1, 4), EPPlan(4, [HF_PATTERN]))
+    ddp_opt = torch.optim.AdamW(ddp.model.parameters(), lr=1e-2)
+    load_checkpoint(Path(root) / "dcp", ddp, ddp_opt)
+    save_checkpoint(Path(root) / "dcp_ddp_1x4", ddp, ddp_opt)
     report["ddp_shards"] = _error(lambda: save_checkpoint(Path(root) / "bad", ddp.model))
     return report
 
@@ -139,6 +144,16 @@ def test_saved_at_2x2_loads_bitwise_in_one_process(saved):
     assert _digests(model, optimizer) == four[0]["saved"]
 
 
+def test_replicate_moe_loads_and_saves_through_its_handle(saved):
+    root, four, _ = saved
+    model = qwen3_moe(seed=7)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    load_checkpoint(root / "dcp_ddp_1x4", model, optimizer)
+    assert _digests(model, optimizer) == four[0]["saved"]
+    metadata = checkpoint_metadata(root / "dcp_ddp_1x4").state_dict_metadata
+    assert tuple(metadata[f"optim.state.{EXPERT_KEY}.exp_avg"].size) == (E, 32, 32)
+
+
 def test_hf_export_loads_with_from_pretrained(saved):
     root, four, _ = saved
     assert sorted(p.name for p in (root / "hf").iterdir()) == [
@@ -171,7 +186,8 @@ def test_mismatches_are_refused_on_every_rank(saved):
         assert report["plain_shards"].startswith("ValueError: model: expert parameter"), report["plain_shards"]
         assert "plain shard of shape (2, 32, 32) of E=8" in report["plain_shards"]
         assert report["ddp_shards"].startswith("ValueError: model: expert parameter"), report["ddp_shards"]
-        assert "plain shard of shape (4, 32, 32) of E=8" in report["ddp_shards"]
+        assert "plain shard of shape (2, 32, 32) of E=8" in report["ddp_shards"]
+        assert "Pass the ParallelizedMoe that parallelize_moe / replicate_moe returned" in report["ddp_shards"]
 
 
 def test_non_finite_and_damaged_checkpoints_are_refused(tmp_path):

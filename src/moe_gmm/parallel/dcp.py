@@ -8,8 +8,11 @@ each rank writes its own shard and DCP records the global shape: experts ``[E, .
 (dp, ep) they were saved at. Loading reshards to the target's layout: another (dp, ep), or one
 process without a process group (a plain model).
 
-Plain expert shards (``apply_expert_parallel`` / ``replicate_moe``) are refused on save: DCP would
-record the local ``[E / ep, ., .]`` as the global shape and silently keep one rank's experts.
+Plain expert shards (:func:`~moe_gmm.parallel.ddp.replicate_moe`) are saved through the
+:class:`~moe_gmm.parallel.mesh.ParallelizedMoe` handle, which knows the mesh: they are given their
+global shape (``Shard(0)`` on ep, replicated over the data dims) for the save and the load. A bare
+module holding plain shards is refused: DCP would record the local ``[E / ep, ., .]`` as the
+global shape and silently keep one rank's experts.
 
 Loading checks the checkpoint's metadata against the target first (every key present, every
 shape and dtype equal, experts holding E rows), reads into fresh buffers, refuses non-finite
@@ -43,11 +46,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from moe_gmm.checksum import CheckpointError
 from moe_gmm.parallel.layout import EXPERT_PARAMS
+from moe_gmm.parallel.mesh import MoeMesh, ParallelizedMoe
 
 __all__ = ["checkpoint_extra", "checkpoint_metadata", "export_hf", "import_hf", "load_checkpoint", "save_checkpoint"]
 
@@ -84,8 +88,52 @@ def _check_experts_global(model: nn.Module, state: dict[str, Any]) -> None:
             raise ValueError(
                 f"model: expert parameter {fqn!r} is a plain shard of shape {tuple(value.shape)} of E={num_experts} "
                 "experts; DCP would record the shard's shape as the whole and lose the other ranks' experts. "
-                "Parallelize with parallelize_moe (DTensor experts) to save through DCP"
+                "Pass the ParallelizedMoe that parallelize_moe / replicate_moe returned (it knows the mesh)"
             )
+
+
+def _resolve(model: nn.Module | ParallelizedMoe) -> tuple[nn.Module, MoeMesh | None]:
+    """The module whose state is saved, and the mesh its plain expert shards are spread over (if known)."""
+    if isinstance(model, ParallelizedMoe):
+        return model.module, model.mesh
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module or a ParallelizedMoe, got {type(model).__name__}")
+    return model, None
+
+
+def _as_global(state: dict[str, Any], module: nn.Module, mesh: MoeMesh | None) -> list[str]:
+    """Give plain expert shards (``replicate_moe``) and their optimizer state their global DTensor shape.
+
+    A shard of rank ``r`` of ``ep`` is rows ``[r * E / ep, (r + 1) * E / ep)``: ``Shard(0)`` on the ep
+    dim, replicated over the data dims. Returns the names wrapped, to unwrap after a load.
+    """
+    if mesh is None:
+        return []
+    params = dict(module.named_parameters())
+    placements = [Shard(0) if n == mesh.ep_dim else Replicate() for n in mesh.mesh.mesh_dim_names]
+    wrapped = []
+    for fqn, num_experts in _expert_rows(module).items():
+        local_shape = params[fqn].shape
+        if isinstance(params[fqn], DTensor):
+            continue
+        shape = torch.Size((num_experts, *local_shape[1:]))
+        stride = torch.empty(shape, device="meta").stride()
+        entry = state.get("optim", {}).get("state", {}).get(fqn, {})
+        for holder, key in [(state["model"], fqn), *((entry, k) for k in entry)]:
+            t = holder[key]
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.shape == local_shape:
+                holder[key] = DTensor.from_local(t, mesh.mesh, placements, run_check=False, shape=shape, stride=stride)
+        wrapped.append(fqn)
+    return wrapped
+
+
+def _as_local(state: dict[str, Any], wrapped: list[str]) -> None:
+    """Undo :func:`_as_global` on a loaded state: this rank's rows of each expert tensor."""
+    for fqn in wrapped:
+        entry = state.get("optim", {}).get("state", {}).get(fqn, {})
+        for holder, key in [(state["model"], fqn), *((entry, k) for k in entry)]:
+            if isinstance(holder[key], DTensor):
+                holder[key] = holder[key].to_local()
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -93,19 +141,25 @@ def _check_optimizer(optimizer: Any) -> None:
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+def _state(
+    model: nn.Module | ParallelizedMoe, optimizer: torch.optim.Optimizer | None
+) -> tuple[nn.Module, dict[str, Any], list[str]]:
+    """``(module, {"model": ..., "optim": ...}, wrapped)``: the state with every expert tensor global."""
+    module, mesh = _resolve(model)
     _check_optimizer(optimizer)
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optim": optim_state}
+        state = {"model": get_model_state_dict(module)}
+    else:
+        model_state, optim_state = get_state_dict(module, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+    wrapped = _as_global(state, module, mesh)
+    _check_experts_global(module, state["model"])
+    return module, state, wrapped
 
 
 def save_checkpoint(
     directory: str | os.PathLike,
-    model: nn.Module,
+    model: nn.Module | ParallelizedMoe,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     extra: dict[str, Any] | None = None,
@@ -117,8 +171,7 @@ def save_checkpoint(
     :func:`load_checkpoint`. The directory is written beside the old one and swapped in once
     complete, so a run killed while saving keeps its previous checkpoint.
     """
-    state = _state(model, optimizer)
-    _check_experts_global(model, state["model"])
+    _, state, _ = _state(model, optimizer)
     if extra is not None:
         if not isinstance(extra, dict):
             raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
@@ -231,7 +284,7 @@ def _empty_like(flat: dict[str, Any]) -> dict[str, Any]:
 
 @torch.no_grad()
 def load_checkpoint(
-    directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    directory: str | os.PathLike, model: nn.Module | ParallelizedMoe, optimizer: torch.optim.Optimizer | None = None
 ) -> dict[str, Any]:
     """Load a :func:`save_checkpoint` directory into ``model`` (and ``optimizer``); return its ``extra``.
 
@@ -241,7 +294,7 @@ def load_checkpoint(
     """
     where = f"checkpoint {str(directory)!r}"
     metadata = checkpoint_metadata(directory)
-    state = _state(model, optimizer)
+    module, state, wrapped = _state(model, optimizer)
     flat, mapping = flatten_state_dict(state)
     problem = _check_against(metadata, flat, where)
     extra_keys = [k for k in metadata.state_dict_metadata if k.startswith("extra.")]
@@ -258,14 +311,15 @@ def load_checkpoint(
     _agree(None if bad is None else f"{where}, file {_files_of(metadata, bad)}: tensor {bad!r} holds NaN or inf")
 
     loaded = unflatten_state_dict({k: target[k] for k in flat}, mapping)
+    _as_local(loaded, wrapped)
     if optimizer is None:
-        set_model_state_dict(model, loaded["model"])
+        set_model_state_dict(module, loaded["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        set_state_dict(module, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     return {k.removeprefix("extra."): target[k] for k in extra_keys}
 
 
-def export_hf(model: nn.Module, directory: str | os.PathLike) -> None:
+def export_hf(model: nn.Module | ParallelizedMoe, directory: str | os.PathLike) -> None:
     """Write ``model``'s weights as consolidated Hugging Face safetensors (plus ``config.json`` if it has one).
 
     Collective over the default process group when one exists; works on a parallelized model
@@ -273,10 +327,8 @@ def export_hf(model: nn.Module, directory: str | os.PathLike) -> None:
     Hugging Face model's parameters are its checkpoint's layout, so ``from_pretrained(directory)``
     loads the result.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    state = get_model_state_dict(model)
-    _check_experts_global(model, state)
+    model, state, _ = _state(model, None)
+    state = state["model"]
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     writer = dcp.HuggingFaceStorageWriter(str(path), save_distributed=True, enable_consolidation=True)
@@ -292,14 +344,13 @@ def export_hf(model: nn.Module, directory: str | os.PathLike) -> None:
 
 
 @torch.no_grad()
-def import_hf(model: nn.Module, directory: str | os.PathLike) -> None:
+def import_hf(model: nn.Module | ParallelizedMoe, directory: str | os.PathLike) -> None:
     """Load Hugging Face safetensors (e.g. from :func:`export_hf` or ``save_pretrained``) into ``model``.
 
     ``model`` may be parallelized (each rank reads its shards) or plain. Shapes and dtypes are
     checked against the files first and non-finite values refused, as in :func:`load_checkpoint`.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    module, state, wrapped = _state(model, None)
     path = Path(directory)
     where = f"checkpoint {str(path)!r}"
     reader = dcp.HuggingFaceStorageReader(str(path))
@@ -307,13 +358,14 @@ def import_hf(model: nn.Module, directory: str | os.PathLike) -> None:
         metadata = reader.read_metadata()
     except Exception as exc:  # noqa: BLE001 - missing or malformed safetensors raise many types
         raise CheckpointError(f"{where}: no readable safetensors ({type(exc).__name__}: {exc})") from None
-    state = get_model_state_dict(model)
-    _agree(_check_against(metadata, state, where))
-    target = _empty_like(state)
+    _agree(_check_against(metadata, state["model"], where))
+    target = _empty_like(state["model"])
     try:
         _dcp(dcp.load, target, storage_reader=reader)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001
         raise CheckpointError(f"{where}: unreadable ({_cause(exc)})") from None
     bad = _first_non_finite(target)
     _agree(None if bad is None else f"{where}, file {_files_of(metadata, bad)}: tensor {bad!r} holds NaN or inf")
-    set_model_state_dict(model, target)
+    loaded = {"model": target}
+    _as_local(loaded, wrapped)
+    set_model_state_dict(module, loaded["model"])
