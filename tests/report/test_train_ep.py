@@ -1,6 +1,6 @@
 """``moe-gmm train`` on a (dp, ep) mesh: ``torchrun --nproc-per-node 4`` with ``configs/tiny_dp2_ep2.yaml``
-trains 2 steps and saves a DCP checkpoint; resumed at (1, 4) for a third step, the losses equal an
-uninterrupted 3-step run in one process.
+trains 2 steps and saves a DCP checkpoint; resumed at (1, 4) for a third step and then in one
+process for a fourth, the losses equal an uninterrupted 4-step run in one process.
 
 The real ``torchrun`` runs once; the resume runs the same entry point (``run_training`` with
 ``$WORLD_SIZE`` set) on ``run_ranks``' gloo ranks, which start faster.
@@ -50,7 +50,7 @@ def _resume_worker(rank: int, world: int, config: str, out: str) -> list[float]:
 
 def test_torchrun_dp2_ep2_resumes_at_1x4_with_the_same_losses(tmp_path):
     single = run_training(
-        _config_at(tmp_path, None, 1), out_dir=tmp_path / "one", steps=3, paths=("fused",), profile_steps=0
+        _config_at(tmp_path, None, 1), out_dir=tmp_path / "one", steps=4, paths=("fused",), profile_steps=0
     )
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [
@@ -72,8 +72,16 @@ def test_torchrun_dp2_ep2_resumes_at_1x4_with_the_same_losses(tmp_path):
     resumed = run_ranks(_resume_worker, 4, str(_config_at(tmp_path, 1, 4)), str(out), timeout_s=240)
     for rank, losses in enumerate(resumed):
         assert losses[:2] == pytest.approx(two_steps, abs=1e-8), rank  # from the checkpoint (csv: 8 decimals)
-        assert losses == pytest.approx(single.losses["fused"], rel=1e-5, abs=1e-6), rank
+        assert losses == pytest.approx(single.losses["fused"][:3], rel=1e-5, abs=1e-6), rank
     assert _losses(out / "losses.csv") == pytest.approx(resumed[0], abs=1e-8)
+
+    # One process continues the DCP checkpoint (no process group), then owns the path's checkpoint.
+    alone = run_training(
+        _config_at(tmp_path, None, 1), out_dir=out, steps=4, resume=True, paths=("fused",), profile_steps=0
+    )
+    assert alone.losses["fused"][:3] == pytest.approx(resumed[0], abs=1e-8)
+    assert alone.losses["fused"] == pytest.approx(single.losses["fused"], rel=1e-5, abs=1e-6)
+    assert sorted(p.name for p in out.glob("ckpt_*")) == ["ckpt_fused.pt"]  # the older DCP one is gone
 
 
 def test_mesh_shape_must_match_the_processes(tmp_path, monkeypatch):

@@ -11,13 +11,14 @@ per path (``ckpt_<path>.pt``, model + optimizer + losses; ``--resume`` continues
 reproduces the losses of an uninterrupted run). ``init.pt`` and the checkpoints carry a checksum per
 tensor (:mod:`moe_gmm.report.train_checkpoint`); a damaged one is a usage error before any step.
 Under ``torchrun`` the checkpoints are DCP directories (``ckpt_<path>.dcp``, see
-:mod:`moe_gmm.report.distributed`), resumable at any other (dp, ep).
+:mod:`moe_gmm.report.distributed`), resumable at any other (dp, ep) or in one process.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,11 @@ class _Run:
         # Under torchrun a DCP directory, whose layout does not depend on the (dp, ep) it was saved at.
         return self.out / (f"ckpt_{path}.dcp" if self.rt.distributed else f"ckpt_{path}.pt")
 
+    def resume_from(self, path: str) -> Path:
+        """The checkpoint ``--resume`` reads: one process also continues a torchrun run's DCP directory."""
+        own, dcp_dir = self.checkpoint(path), self.out / f"ckpt_{path}.dcp"
+        return dcp_dir if not own.exists() and dcp_dir.exists() else own
+
     def step(self, model, par: ParallelizedMoe | None, opt, step: int) -> float:
         ids = local_rows(synthetic_batch(self.cfg, step), self.rt).to(self.device)
         opt.zero_grad(set_to_none=True)
@@ -200,17 +206,23 @@ def _save(run: _Run, path: Path, model, opt, step: int, losses: list[float], ste
         from moe_gmm.parallel.dcp import save_checkpoint
 
         save_checkpoint(path, model, opt, extra=progress)
-        return
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    save_checked(path, {**state, **progress})
+    else:
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        save_checked(path, {**state, **progress})
+    if run.rt.is_main:  # the other format's checkpoint of this path is older now: --resume must not pick it
+        other = path.with_suffix(".pt" if run.rt.distributed else ".dcp")
+        if other.is_dir():
+            shutil.rmtree(other)
+        else:
+            other.unlink(missing_ok=True)
 
 
 def _resume_state(run: _Run, path: str, steps: int) -> dict:
     """The checked checkpoint of ``path``: readable, every checksum right, short of ``steps``."""
-    ckpt_path = run.checkpoint(path)
+    ckpt_path = run.resume_from(path)
     if not ckpt_path.exists():
         raise TrainUsageError(f"--resume: no checkpoint {ckpt_path} (run without --resume first)")
-    if run.rt.distributed:  # the progress now; model and optimizer once the model is parallelized
+    if ckpt_path.suffix == ".dcp":  # the progress now; model and optimizer once the model is built
         from moe_gmm.parallel.dcp import checkpoint_extra
 
         state = checkpoint_extra(ckpt_path, ("step", "losses", "step_ms"))
@@ -221,7 +233,7 @@ def _resume_state(run: _Run, path: str, steps: int) -> dict:
         raise CheckpointError(f"checkpoint {str(ckpt_path)!r}: step, losses and step_ms disagree")
     if len(losses) >= steps:
         raise TrainUsageError(f"--resume: checkpoint {ckpt_path} is already at step {len(losses)} >= --steps {steps}")
-    if not run.rt.distributed:  # an unsharded model: its shapes are init.pt's, so check them now
+    if ckpt_path.suffix == ".pt":  # an unsharded model: its shapes are init.pt's, so check them now
         expected = {k: torch.empty(v.shape, dtype=run.dtype, device="meta") for k, v in run.init_state.items()}
         check_state(state["model"], expected, ckpt_path)
     return state
@@ -233,10 +245,11 @@ def _run_path(run: _Run, path: str, steps: int, state: dict | None, progress, pr
     ckpt_path = run.checkpoint(path)
     losses: list[float] = []
     step_ms: list[float] = []
-    if state is not None and run.rt.distributed:
+    source = run.resume_from(path)
+    if state is not None and source.suffix == ".dcp":
         from moe_gmm.parallel.dcp import load_checkpoint
 
-        load_checkpoint(ckpt_path, model, opt)  # shapes, E and finite values checked before any copy
+        load_checkpoint(source, model, opt)  # shapes, E and finite values checked before any copy
         losses, step_ms = list(state["losses"]), list(state["step_ms"])
     elif state is not None:
         check_state(state["model"], model.state_dict(), ckpt_path)  # before anything is copied
