@@ -73,7 +73,7 @@ def main() -> None:
     replica = build_model(seed=0) if (args.check and rank == 0) else None
     replica_opt = torch.optim.AdamW(replica.parameters(), lr=1e-3) if replica is not None else None
     if rank == 0:
-        local = model.model.layers[0].mlp.experts.gate_up_proj.to_local().shape[0]
+        local = model.model.layers[0].mlp.experts.ep_shard.num_local_experts  # FSDP splits their storage over dp
         print(f"mesh dp={world // ep} x ep={ep} dispatcher={args.dispatcher}: {local} of 8 experts per rank")
 
     batch = args.per_rank_batch * world
