@@ -19,6 +19,7 @@ import yaml
 
 pytest.importorskip("transformers")
 
+from moe_gmm.cli import main
 from moe_gmm.parallel.dcp import checkpoint_metadata
 from moe_gmm.parallel.launch import free_port, run_ranks
 from moe_gmm.report.train import run_training
@@ -75,16 +76,22 @@ def test_torchrun_dp2_ep2_resumes_at_1x4_with_the_same_losses(tmp_path):
         assert losses == pytest.approx(single.losses["fused"][:3], rel=1e-5, abs=1e-6), rank
     assert _losses(out / "losses.csv") == pytest.approx(resumed[0], abs=1e-8)
 
-    # One process continues the DCP checkpoint (no process group), then owns the path's checkpoint.
-    alone = run_training(
-        _config_at(tmp_path, None, 1), out_dir=out, steps=4, resume=True, paths=("fused",), profile_steps=0
-    )
-    assert alone.losses["fused"][:3] == pytest.approx(resumed[0], abs=1e-8)
-    assert alone.losses["fused"] == pytest.approx(single.losses["fused"], rel=1e-5, abs=1e-6)
+    # One process continues the DCP checkpoint (no process group), then owns the path's checkpoint;
+    # the CLI's --expert-parallel-size turns the (2, 2) config into one for a single process.
+    argv = ["train", "--config", str(CONFIG), "--out", str(out), "--steps", "4", "--resume", "--paths", "fused"]
+    assert main([*argv, "--profile-steps", "0", "--expert-parallel-size", "1"]) == 0
+    alone = _losses(out / "losses.csv")
+    assert alone[:3] == pytest.approx(resumed[0], abs=1e-8)
+    assert alone == pytest.approx(single.losses["fused"], rel=1e-5, abs=1e-6)
     assert sorted(p.name for p in out.glob("ckpt_*")) == ["ckpt_fused.pt"]  # the older DCP one is gone
 
 
-def test_mesh_shape_must_match_the_processes(tmp_path, monkeypatch):
+def test_mesh_shape_must_match_the_processes(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match=r"parallel\.data_parallel_shard: 2 x parallel\.expert_parallel_size 4 = 8"):
         run_training(_config_at(tmp_path, 2, 4), out_dir=tmp_path / "x", paths=("fused",), profile_steps=0)
+    argv = ["train", "--config", str(CONFIG), "--out", str(tmp_path / "y"), "--expert-parallel-size"]
+    assert main([*argv, "0"]) == 2
+    assert "--expert-parallel-size must be >= 1, got 0" in capsys.readouterr().err
+    assert main([*argv, "3"]) == 2  # E = 8 experts do not split over 3 ranks
+    assert "parallel.expert_parallel_size: 3 must divide model.num_experts 8" in capsys.readouterr().err
