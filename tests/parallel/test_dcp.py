@@ -214,3 +214,6 @@ def test_non_finite_and_damaged_checkpoints_are_refused(tmp_path):
         load_checkpoint(tmp_path, target)
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None, got dict"):
         save_checkpoint(tmp_path / "x", target, {})
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"^directory: cannot write '.*file/ckpt\.tmp'"):
+        save_checkpoint(tmp_path / "file" / "ckpt", target)

@@ -179,11 +179,14 @@ def save_checkpoint(
     path = Path(directory)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     main = not _distributed() or dist.get_rank() == 0
+    problem = None
     if main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if _distributed():
-        dist.barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            problem = f"directory: cannot write {str(tmp)!r} ({type(exc).__name__}: {exc.strerror or exc})"
+    _agree(problem, ValueError)  # the other ranks would otherwise wait for rank 0 until the timeout
     _dcp(dcp.save, state, checkpoint_id=str(tmp))
     if main:  # every rank's files and the metadata are written when save returns
         shutil.rmtree(old, ignore_errors=True)
@@ -255,7 +258,7 @@ def _first_non_finite(flat: dict[str, Any]) -> str | None:
     return None
 
 
-def _agree(problem: str | None) -> None:
+def _agree(problem: str | None, error: type[Exception] = CheckpointError) -> None:
     """Raise ``problem`` on every rank if any rank has one (a rank raising alone would hang the others)."""
     problems = [problem]
     if _distributed():
@@ -264,7 +267,7 @@ def _agree(problem: str | None) -> None:
     found = [(r, p) for r, p in enumerate(problems) if p is not None]
     if found:
         rank, message = found[0]
-        raise CheckpointError(message if len(problems) == 1 else f"{message} (rank {rank})")
+        raise error(message if len(problems) == 1 else f"{message} (rank {rank})")
 
 
 def _cause(exc: BaseException) -> str:
@@ -288,9 +291,9 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a :func:`save_checkpoint` directory into ``model`` (and ``optimizer``); return its ``extra``.
 
-    ``model`` may be parallelized at any (dp, ep) (``parallelize_moe``), or plain in one process.
-    Collective over the default process group when one exists. Build the optimizer first (its
-    state is created here, then overwritten).
+    ``model`` may be parallelized at any (dp, ep) (``parallelize_moe``, or the handle
+    ``replicate_moe`` returned), or plain in one process. Collective over the default process group
+    when one exists. Build the optimizer first (its state is created here, then overwritten).
     """
     where = f"checkpoint {str(directory)!r}"
     metadata = checkpoint_metadata(directory)
