@@ -62,10 +62,9 @@ CONFIG_OVERRIDES: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class Family:
-    name: str
-    experts_class: str
+    name: str  # the ``transformers.models`` subpackage
+    experts_class: str  # the class that went through ``@use_experts_implementation``
     model_class: str  # a ``*ForCausalLM`` when the family has one, else its text model
-    config_class: str
 
 
 def _is_experts_interface_class(obj: object) -> bool:
@@ -85,7 +84,7 @@ def discover_families() -> list[Family]:
     found = []
     root = Path(transformers.models.__file__).parent
     for path in sorted(root.glob("*/modeling_*.py")):
-        if "use_experts_implementation" not in path.read_text():  # skip importing ~400 other modules
+        if "use_experts_implementation" not in path.read_text():  # import only the candidates
             continue
         module = importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}")
         local = {n: c for n, c in vars(module).items() if isinstance(c, type) and c.__module__ == module.__name__}
@@ -93,7 +92,7 @@ def discover_families() -> list[Family]:
         if not experts:
             continue
         model = _text_model(local)
-        found.append(Family(path.parent.name, experts[0], model.__name__, model.config_class.__name__))
+        found.append(Family(path.parent.name, experts[0], model.__name__))
     return found
 
 

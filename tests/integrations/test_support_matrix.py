@@ -3,7 +3,7 @@
 Each family found in the installed transformers is built tiny (2 layers, E = 4, fp32), once with
 ``experts_implementation="eager"`` and once with ``"moe_gmm"`` on the same weights, each on its
 own config; the loss and every gradient must agree within 1e-5 relative (or, for gradients fp32
-eager itself gets wrong by more, be as close to float64 as eager is). The row also says what
+eager itself gets wrong by more, be within 4x eager's distance from float64). The row also says what
 :func:`~moe_gmm.integrations.support.expert_mlp_support` answers, i.e. whether expert
 parallelism runs the family. ``docs/support_matrix.md`` is this table:
 ``MOE_GMM_WRITE_SUPPORT_MATRIX=1`` rewrites it, otherwise each row is checked against it.

@@ -10,7 +10,7 @@ by expert, both on the module's ``gate_up_proj`` / ``down_proj`` only:
   halves, SiLU and transformers' default ``_apply_gate``;
 - ``"module_gate"``: ``GMM -> module._apply_gate -> GMM [-> module.post_expert_norm]``, for other
   gates (clamped SwiGLU as in DeepSeek-V4 or BailingHybrid, other activations, interleaved
-  halves). It calls the module's own code on rows, as transformers' ``grouped_mm`` experts do, so
+  halves) and post-expert norms. It calls the module's own code on rows, as transformers' ``grouped_mm`` experts do, so
   the math is the module's by construction.
 
 Refused, with the reason: modules that are not experts modules, per-expert biases (parameters
