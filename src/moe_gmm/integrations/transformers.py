@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from moe_gmm.integrations.support import expert_mlp_support, run_expert_mlp
 from moe_gmm.layers.moe_block import MoeBlockConfig
-from moe_gmm.ops.expert_mlp import expert_mlp
 from moe_gmm.ops.grouped_matmul import grouped_matmul
 from moe_gmm.ops.permute import permute, unpermute
 from moe_gmm.ops.weight_layout import lay_out_rows, lay_out_transposed
@@ -60,27 +60,17 @@ _PER_EXPERT_KEY = re.compile(
 # --------------------------------------------------------------------------------------------
 
 
-def _is_plain_swiglu(module: torch.nn.Module) -> bool:
-    """True when ``module``'s gating is ``silu(gate) * up`` on concatenated halves (our swiglu op)."""
-    from transformers.activations import SiLUActivation
-    from transformers.integrations.moe import _default_apply_gate
-
-    return (
-        module.has_gate
-        and getattr(module, "is_concatenated", True)
-        and type(module)._apply_gate is _default_apply_gate
-        and isinstance(module.act_fn, (torch.nn.SiLU, SiLUActivation))
-    )
-
-
 def make_moe_gmm_experts_forward(*, backend: str | None = None, fused: bool = True) -> Callable[..., torch.Tensor]:
     """An experts forward ``fn(self, hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
 
     ``backend`` forces a grouped-matmul backend (default: ``$MOE_GMM_BACKEND`` or auto);
-    ``fused=False`` runs the eager per-expert loop. Plain SwiGLU experts (Qwen3.5-MoE, Qwen3-MoE,
-    Mixtral, OLMoE, ...) take :func:`~moe_gmm.ops.expert_mlp`; other gates (interleaved halves,
-    other activations), biases and post-expert norms keep the grouped matmuls and call the module's
-    own ``_apply_gate`` / ``act_fn`` / ``post_expert_norm`` in between.
+    ``fused=False`` runs the eager per-expert loop. What runs is decided by
+    :func:`~moe_gmm.integrations.support.expert_mlp_support`, the rule expert parallelism shares:
+    plain SwiGLU experts (Qwen3.5-MoE, Qwen3-MoE, Mixtral, OLMoE, ...) take
+    :func:`~moe_gmm.ops.expert_mlp`; other gates (clamped, interleaved halves, other activations)
+    and post-expert norms keep the grouped matmuls and call the module's own ``_apply_gate`` /
+    ``post_expert_norm`` in between. Modules the rule refuses (biases, no gate) run the same
+    grouped matmuls with the biases added and the module's own gate or activation.
     """
 
     def moe_gmm_experts_forward(
@@ -101,10 +91,11 @@ def make_moe_gmm_experts_forward(*, backend: str | None = None, fused: bool = Tr
         with record_function("moe::permute"):
             # Ids come from the model's router top-k: in range by construction, no host sync.
             permuted_RH, row_id_map_R, counts_E = permute(x_TH, top_k_index, self.num_experts, validate=False)
-        gmm = {"fused": fused, "backend": backend, "validate": False}
-        if not self.has_bias and not self.has_post_expert_norm and _is_plain_swiglu(self):
-            out_RH = expert_mlp(permuted_RH, counts_E, first, second, **gmm)
+        support = expert_mlp_support(self)
+        if support.ok:
+            out_RH = run_expert_mlp(self, support, permuted_RH, counts_E, first, second, fused=fused, backend=backend)
         else:
+            gmm = {"fused": fused, "backend": backend, "validate": False}
             out_RH = _generic_expert_mlp(self, permuted_RH, counts_E, first, second, gmm)
         with record_function("moe::unpermute"):
             out_TH = unpermute(out_RH, row_id_map_R, top_k_weights)
@@ -114,7 +105,8 @@ def make_moe_gmm_experts_forward(*, backend: str | None = None, fused: bool = Tr
 
 
 def _generic_expert_mlp(self, x_RH, counts_E, first_EKN, second_EKN, gmm: dict[str, Any]) -> torch.Tensor:
-    """GMM -> the module's own gate or activation -> GMM, with optional biases and post-expert norm."""
+    """GMM -> the module's own gate or activation -> GMM, with optional biases and post-expert norm: the
+    fallback for experts the support rule refuses (biases, no gate)."""
     expert_of_row_R = None
     if self.has_bias:
         expert_of_row_R = torch.repeat_interleave(

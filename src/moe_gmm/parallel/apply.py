@@ -15,7 +15,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-from moe_gmm.ops.expert_mlp import expert_mlp
+from moe_gmm.integrations.support import expert_mlp_support, run_expert_mlp
 from moe_gmm.ops.weight_layout import pad_rows, row_padding
 from moe_gmm.parallel.comm import collective
 from moe_gmm.parallel.dispatcher import AllToAllDispatcher, OverlappedAllToAllDispatcher
@@ -41,9 +41,11 @@ def _ep_forward(
     if hasattr(self, "last_tokens_per_expert"):  # GroupedExperts' routing statistics: this rank's tokens
         self.last_tokens_per_expert = torch.bincount(top_k_index_Tk.detach().flatten(), minlength=layout.num_experts)
 
+    support = expert_mlp_support(self)
+
     def run_local_experts(x_SH: torch.Tensor, group_list_L: torch.Tensor) -> torch.Tensor:
-        return expert_mlp(
-            x_SH, group_list_L, gate_up_LH2I, down_LIH, fused=layout.fused, backend=layout.backend, validate=False
+        return run_expert_mlp(
+            self, support, x_SH, group_list_L, gate_up_LH2I, down_LIH, fused=layout.fused, backend=layout.backend
         )  # counts from bincount: non-negative and summing to S
 
     return self.ep_dispatcher(hidden_TH, top_k_index_Tk, top_k_weights_Tk, run_local_experts)
@@ -64,7 +66,8 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
 
     Collective: every rank of ``ep_group`` must call it. Problems are gathered from all ranks and
     raised as one ``ValueError`` on every rank (never a hang): a pattern matching nothing or two
-    patterns on one module, a matched module that is not a routed-experts module, E not divisible
+    patterns on one module, a matched module that is not a routed-experts module or whose math
+    our expert MLP cannot run (:func:`~moe_gmm.integrations.support.expert_mlp_support`), E not divisible
     by the group size, ``plan.expert_parallel_size`` != group size, and models or plans that differ
     across ranks (E, top_k, sizes, dtype, plan, or any replicated tensor's bits: see
     :func:`~moe_gmm.parallel.verify.verify_same_setup`), naming the first difference and the ranks.
@@ -90,7 +93,14 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
             problems.append(f"module {name!r} is already expert-parallel")
             continue
         layout, why = experts_layout(module)
-        if layout is None:
+        support = expert_mlp_support(module)
+        if layout is None and not hasattr(module, "is_transposed"):
+            problems.append(
+                f"parallel.ep_plan.apply_modules matched {name!r}, which is not a routed-experts module: {why}"
+            )
+        elif not support.ok:  # an experts module whose math our expert MLP cannot run
+            problems.append(f"{name!r} cannot run on moe-gmm's expert MLP: {support.reason}")
+        elif layout is None:
             problems.append(
                 f"parallel.ep_plan.apply_modules matched {name!r}, which is not a routed-experts module: {why}"
             )
