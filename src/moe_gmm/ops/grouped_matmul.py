@@ -35,7 +35,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 @torch.library.custom_op("moe_gmm::grouped_matmul", mutates_args=())
 def _grouped_matmul_op(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
-    return get_backend(backend).forward(x, weight, group_ends)
+    return get_backend(backend).run_forward(x, weight, group_ends)
 
 
 @_grouped_matmul_op.register_fake
@@ -45,7 +45,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: 
 
 @torch.library.custom_op("moe_gmm::grouped_matmul_grad_input", mutates_args=())
 def _grad_input_op(grad_out: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
-    return get_backend(backend).grad_input(grad_out, weight, group_ends)
+    return get_backend(backend).run_grad_input(grad_out, weight, group_ends)
 
 
 @_grad_input_op.register_fake
@@ -55,7 +55,7 @@ def _(grad_out: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, ba
 
 @torch.library.custom_op("moe_gmm::grouped_matmul_grad_weight", mutates_args=())
 def _grad_weight_op(x: torch.Tensor, grad_out: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
-    return get_backend(backend).grad_weight(x, grad_out, group_ends)
+    return get_backend(backend).run_grad_weight(x, grad_out, group_ends)
 
 
 @_grad_weight_op.register_fake
