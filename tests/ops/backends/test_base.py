@@ -89,3 +89,21 @@ def test_a_correct_custom_backend_passes_the_check():
     finally:
         unregister_backend("plain")
 
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 1, 1), (1, 3, 1), (3, 1, 1)])
+def test_one_row_or_column_with_an_expanded_gradient(backend, dtype, m, k, n):
+    # y.sum() hands backward an expanded [M, N] gradient (strides 0); with a size-1 dimension
+    # .contiguous() keeps those strides, which the cpu kernels once refused with an internal error.
+    x, w, _ = gmm_inputs([m, 0], k, n, dtype)
+    if backend is not None and get_backend(backend).op_refusal(x, w) is not None:
+        with pytest.raises(ValueError, match=f"backend='{backend}' cannot run these inputs"):
+            moe_gmm.grouped_matmul(x, w, [m, 0], backend=backend)
+        return
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    moe_gmm.grouped_matmul(x, w, [m, 0], backend=backend).sum().backward()
+    ref_dx, ref_dw = reference_grouped_matmul_grads(x, w, [m, 0], torch.ones(m, n, dtype=torch.float64))
+    torch.testing.assert_close(x.grad.double(), ref_dx, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(w.grad.double(), ref_dw, rtol=1e-2, atol=1e-2)

@@ -451,7 +451,8 @@ def _weight_layout(w_EKN: torch.Tensor) -> str | None:
 
 
 def _unit_rows(t_MX: torch.Tensor) -> torch.Tensor:
-    return t_MX if t_MX.stride(1) == 1 else t_MX.contiguous()
+    # Not .contiguous(): it keeps any stride of a size-1 dimension, e.g. the (0, 0) of a [1, 1] expanded grad.
+    return t_MX if t_MX.stride(1) == 1 else t_MX.clone(memory_format=torch.contiguous_format)
 
 
 def _ends(group_ends_E: torch.Tensor) -> torch.Tensor:
