@@ -246,8 +246,8 @@ def moe_mlp_gather_scatter(
         gate_up_EH2I: ``[E, H, 2I]`` (gate = first half of the columns); any strides.
         down_EIH: ``[E, I, H]``; any strides.
         validate: check that every id lies in ``[0, E)``; reads the ids on the host (a sync on an
-            accelerator), skipped under ``torch.compile``. ``False`` means "you promise": on an
-            accelerator the check is then an asynchronous device-side assert; on CPU it still runs.
+            accelerator), skipped under ``torch.compile``. ``False`` means "you promise": the
+            range is then still checked on CPU, and on CUDA as an asynchronous device-side assert.
 
     Returns:
         ``[T, H]`` in ``hidden_TH``'s dtype. Runs on the triton backend (CUDA, or the interpreter).
@@ -287,7 +287,7 @@ def moe_mlp_gather_scatter(
                 raise ValueError(
                     f"selected_experts_Tk must lie in [0, {num_experts}), got values in [{int(lo)}, {int(hi)}]"
                 )
-        else:  # an id out of range would leave output rows unwritten: a device-side assert, no sync
+        elif selected_experts_Tk.device.type == "cuda":  # an id out of range leaves rows unwritten; no sync
             torch._assert_async((lo >= 0) & (hi < num_experts), "selected_experts_Tk out of [0, num_experts)")
     slot_of_row_R, token_of_row_R, group_ends_E = routing_rows(selected_experts_Tk, num_experts)
     h_R2I = gather_grouped_matmul(hidden_TH, gate_up_EH2I, group_ends_E, token_of_row_R, slot_of_row_R)

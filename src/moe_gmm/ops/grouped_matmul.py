@@ -114,8 +114,9 @@ def normalize_group_list(
     ``validate=False`` means "you promise the values are right": the detailed check (a host sync
     for an accelerator tensor) is skipped. The row ends are still checked (first >= 0,
     non-decreasing, last == num_rows) so that no backend reads or leaves rows outside
-    ``[0, num_rows)``: on CPU as a ``ValueError``, on an accelerator as an asynchronous device-side
-    assert (no host sync), and not at all under ``torch.compile``.
+    ``[0, num_rows)``: on CPU as a ``ValueError``, on CUDA as an asynchronous device-side assert
+    (no host sync); not on other devices (whose support of that assert is unknown) and not under
+    ``torch.compile``.
     """
     if group_list_type not in _GROUP_LIST_TYPES:
         raise ValueError(f"group_list_type must be one of {_GROUP_LIST_TYPES}, got {group_list_type!r}")
@@ -192,8 +193,9 @@ def _check_group_ends(group_ends: torch.Tensor, *, num_rows: int) -> None:
         return
     # Non-decreasing ends from >= 0 to M also rule out a count that wrapped the int64 cumsum.
     ok = (group_ends[0] >= 0) & (group_ends[-1] == num_rows) & (group_ends[1:] >= group_ends[:-1]).all()
-    if group_ends.device.type != "cpu":
+    if group_ends.device.type == "cuda":
         torch._assert_async(ok, "group_list does not describe x's rows (validate=False skipped the detailed check)")
+    if group_ends.device.type != "cpu":
         return
     if not bool(ok):
         shown = group_ends[:8].tolist()
