@@ -98,7 +98,7 @@ def make_moe_gmm_experts_forward(*, backend: str | None = None, fused: bool = Tr
             gmm = {"fused": fused, "backend": backend, "validate": False}
             out_RH = _generic_expert_mlp(self, permuted_RH, counts_E, first, second, gmm)
         with record_function("moe::unpermute"):
-            out_TH = unpermute(out_RH, row_id_map_R, top_k_weights)
+            out_TH = unpermute(out_RH, row_id_map_R, top_k_weights, validate=False)  # permute's own map
         return out_TH.to(hidden_states.dtype)
 
     return moe_gmm_experts_forward

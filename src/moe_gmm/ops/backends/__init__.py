@@ -112,7 +112,7 @@ def select_backend(x_MK: torch.Tensor, w_EKN: torch.Tensor, name: str | None = N
         name = os.environ.get(BACKEND_ENV_VAR) or "auto"
     if name != "auto":
         backend = get_backend(name)
-        reason = backend.refusal(x_MK, w_EKN)
+        reason = backend.op_refusal(x_MK, w_EKN)
         if reason is not None:
             raise ValueError(
                 f"backend={name!r} cannot run these inputs: {reason}; available here: {available_backends()}"
@@ -125,7 +125,7 @@ def select_backend(x_MK: torch.Tensor, w_EKN: torch.Tensor, name: str | None = N
         if backend is None:
             refusals.append(f"{candidate}: not registered")
             continue
-        reason = backend.refusal(x_MK, w_EKN)
+        reason = backend.op_refusal(x_MK, w_EKN)
         if reason is None:
             return backend
         refusals.append(f"{candidate}: {reason}")
