@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from moe_gmm.config import RunConfig, load_config
+from moe_gmm.integrations.transformers import describe_experts
 from moe_gmm.report.distributed import (
     Runtime,
     apply_ep,
@@ -154,6 +155,7 @@ class _Run:
     device: torch.device
     dtype: torch.dtype
     out: Path
+    experts: dict[str, list] = field(default_factory=dict)  # path -> describe_experts(model), for the report
 
     def model(self, path: str, state: dict | None = None) -> torch.nn.Module:
         """The model for ``path`` from ``init.pt``, sharded over the EP group, then ``state`` loaded."""
@@ -201,6 +203,7 @@ def _save(path: Path, model, opt, step: int, losses: list[float], step_ms: list[
 
 def _run_path(run: _Run, path: str, steps: int, resume: bool, progress, profile_steps: int) -> tuple:
     model = run.model(path)
+    run.experts[path] = describe_experts(model)
     opt = _optimizer(run.cfg, model)
     ckpt_path = run.checkpoint(path)
     losses: list[float] = []
@@ -279,7 +282,7 @@ def run_training(
         with Progress(*columns, console=console, transient=False, disable=not rt.is_main) as progress:
             for path in paths:
                 losses[path], step_ms[path], phases[path] = _run_path(run, path, steps, resume, progress, profile_steps)
-        report, max_diff = loss_report(cfg, losses, step_ms, phases, run.dtype, rt.world)
+        report, max_diff = loss_report(cfg, losses, step_ms, phases, run.dtype, rt.world, run.experts)
         files: dict[str, Path] = {}
         if rt.is_main:
             files = write_outputs(report, out, losses, step_ms)
