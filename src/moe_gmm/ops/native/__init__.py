@@ -4,9 +4,9 @@ SwiGLU) and, on CPUs with AMX, the bfloat16 grouped GEMM itself.
 ``kernels.cpp`` holds the glue kernels and ``grouped_gemm_amx.cpp`` the AMX GEMM (read their
 headers for what each computes). They are compiled on first use with the system C++ compiler against the installed torch into a per-user cache, then loaded
 with ``torch.ops.load_library``; ``make setup`` builds it once up front
-(``python -m moe_gmm.ops.native``). A build compiles for a while (tens of seconds on a small
-machine), so it reports itself on stderr and the ``moe_gmm`` logger: a line before, elapsed time
-while it runs, a line after; loading a cached library says nothing. The library is keyed by the
+(``python -m moe_gmm.ops.native``). Compiling takes a while, so a build reports itself on stderr
+and the ``moe_gmm`` logger: a line before, elapsed time while it runs, a line after with the time
+taken; loading a cached library says nothing. The library is keyed by the
 source, the torch version, the compiler and the CPU, so a change to any of them rebuilds it.
 
 Without a working compiler the ops fall back to their composed torch paths, which compute the same
