@@ -92,16 +92,8 @@ def test_the_full_library_loads_silently_once_built():
     assert done.stderr == ""
 
 
-def test_progress_on_a_terminal_rewrites_one_line_and_clears_it():
-    code = """
-        import sys, time
-        from moe_gmm.ops import native
-        native._PROGRESS_AFTER_S = 0.2
-        with native._build_progress() as elapsed:
-            time.sleep(1.6)
-        sys.stderr.write("AFTER\\n")
-        print(round(elapsed()))
-    """
+def _on_a_terminal(code: str) -> str:
+    """What ``code`` writes to stderr when stderr is a terminal (a pty)."""
     leader, follower = pty.openpty()
     try:
         done = _python(code, stderr=follower)
@@ -121,11 +113,40 @@ def test_progress_on_a_terminal_rewrites_one_line_and_clears_it():
         if follower >= 0:
             os.close(follower)
     assert done.returncode == 0
-    text = b"".join(chunks).decode()
-    ticks = re.findall(r"\rmoe_gmm: compiling the native CPU kernels, (\d+) s so far\x1b\[K", text)
+    return b"".join(chunks).decode()
+
+
+_PROGRESS = """
+    import os, sys, time
+    from moe_gmm.ops import native
+    native._PROGRESS_AFTER_S = 0.2
+    native._PLAIN_PROGRESS_EVERY_S = 1.0
+    if {replaced}:  # what a progress display does while it runs
+        sys.stderr = os.fdopen(os.dup(2), "w")
+    with native._build_progress():
+        time.sleep(1.6)
+    sys.stderr.write("AFTER\\n")
+    sys.stderr.flush()
+"""
+
+
+def test_progress_on_a_terminal_rewrites_one_line_and_clears_it():
+    text = _on_a_terminal(_PROGRESS.format(replaced=False))
+    before = text.split("AFTER")[0]
+    ticks = re.findall(r"\rmoe_gmm: compiling the native CPU kernels, (\d+) s so far\x1b\[K", before)
     assert len(ticks) >= 2 and ticks == sorted(ticks, key=int), repr(text)
-    assert "\n" not in text.split("AFTER")[0].replace("\r\n", ""), "a terminal gets one rewritten line"
-    assert text.split("AFTER")[0].endswith("\r\x1b[K"), "the line is cleared when the build ends"
+    assert "\n" not in before, "a terminal gets one rewritten line"
+    assert before.endswith("\r\x1b[K"), "the line is cleared when the build ends"
+
+
+def test_progress_through_a_replaced_stderr_is_plain_lines():
+    text = _on_a_terminal(_PROGRESS.format(replaced=True))
+    before = text.split("AFTER")[0]
+    assert "\x1b[K" not in before and "\r" not in before.replace("\r\n", "")
+    lines = before.replace("\r\n", "\n").splitlines()
+    assert len(lines) >= 2 and all(
+        re.fullmatch(r"moe_gmm: compiling the native CPU kernels, \d+ s so far", x) for x in lines
+    )
 
 
 def test_sources_must_name_a_file():

@@ -171,7 +171,9 @@ def _build_progress() -> Iterator[Callable[[], float]]:
     start = time.perf_counter()
     elapsed = lambda: time.perf_counter() - start
     done = threading.Event()
-    tty = sys.stderr.isatty()
+    # A replaced stderr (a progress display's proxy, a capture) buffers lines: rewriting one in place
+    # would print a line per tick there, so it gets the plain lines.
+    tty = sys.stderr is sys.__stderr__ and sys.stderr.isatty()
     drawn = []
 
     def tick() -> None:
