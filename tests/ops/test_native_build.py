@@ -3,6 +3,8 @@ library loads without a word. Real compilations into a fresh ``MOE_GMM_NATIVE_DI
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import pty
 import re
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_gmm.log import enable_logging
 from moe_gmm.ops import native
 
 needs_compiler = pytest.mark.skipif(
@@ -152,3 +155,19 @@ def test_progress_through_a_replaced_stderr_is_plain_lines():
 def test_sources_must_name_a_file():
     with pytest.raises(ValueError, match="sources must name at least one C\\+\\+ file"):
         native.build(sources=[])
+
+
+def test_with_logging_on_the_build_lines_go_through_the_logger_once(capsys):
+    logger = logging.getLogger("moe_gmm")
+    handlers, level = list(logger.handlers), logger.level
+    stream = io.StringIO()
+    try:
+        native._announce("compiling, for the test")
+        assert capsys.readouterr().err == "moe_gmm: compiling, for the test\n", "no handler shows INFO: stderr"
+        enable_logging("info", stream)
+        native._announce("built, for the test")
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+    assert stream.getvalue() == "moe_gmm INFO: built, for the test\n"
+    assert capsys.readouterr().err == "", "shown by the handler, not printed a second time"
