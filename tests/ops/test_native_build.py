@@ -152,9 +152,13 @@ def test_progress_through_a_replaced_stderr_is_plain_lines():
     )
 
 
-def test_sources_must_name_a_file():
-    with pytest.raises(ValueError, match="sources must name at least one C\\+\\+ file"):
+def test_sources_must_name_files(tmp_path):
+    with pytest.raises(ValueError, match="sources must name at least one C\\+\\+ file, got none"):
         native.build(sources=[])
+    with pytest.raises(ValueError, match=r"sources must be existing files, got missing \[.*nope.cpp'\]"):
+        native.build(sources=[tmp_path / "nope.cpp"])
+    with pytest.raises(TypeError, match="sources must be a sequence of paths, got the single path"):
+        native.build(sources=str(native.SOURCES[0]))
 
 
 def test_with_logging_on_the_build_lines_go_through_the_logger_once(capsys):

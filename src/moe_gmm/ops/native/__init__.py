@@ -208,9 +208,14 @@ def build(*, force: bool = False, sources: Sequence[Path] = SOURCES) -> Path:
     rename it into place, so a reader never sees a partial library. Raises ``RuntimeError`` with
     the compiler's output when the build fails.
     """
+    if isinstance(sources, (str, Path)):
+        raise TypeError(f"sources must be a sequence of paths, got the single path {str(sources)!r}")
     sources = tuple(Path(source) for source in sources)
     if not sources:
         raise ValueError("sources must name at least one C++ file, got none")
+    missing = [str(source) for source in sources if not source.is_file()]
+    if missing:
+        raise ValueError(f"sources must be existing files, got missing {missing}")
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
