@@ -142,7 +142,7 @@ def test_explain_names_the_backend_select_backend_picks_and_every_refusal(dtype,
         f"grouped_matmul on cpu {str(dtype).removeprefix('torch.')}, weight {[e, k, n]}: backend {choice.backend!r} "
         f"(auto, first to accept of {', '.join(AUTO_PRIORITY['cpu'])})"
     )
-    assert re.search(rf"^  {choice.backend} +runs$", text, re.M), text
+    assert re.search(rf"^  {choice.backend} +runs$", text, re.MULTILINE), text
     for name, reason in choice.refusals.items():
         assert f"refuses: {reason}" in text
 
