@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(exit 1 on a regression; --quick, --dtype, --mode do not apply)",
     )
     b.add_argument("--baseline-out", default=None, metavar="FILE", help="also write the runs' rows into a baseline")
+    for command in (v, t, b):
+        command.add_argument(
+            "--verbose", action="store_true", help="log which backend runs each layer shape (MOE_GMM_LOG=info does too)"
+        )
     return parser
 
 
@@ -182,6 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _usage_error(str(exc))
     except SystemExit as exc:  # --help
         return EXIT_USAGE if exc.code not in (0, None) else EXIT_OK
+    if args.verbose:
+        from moe_gmm.log import enable_logging
+
+        enable_logging("info")
     handler = {"validate": _validate, "train": _train, "bench": _bench}[args.command]
     return handler(args)
 

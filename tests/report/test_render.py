@@ -9,6 +9,7 @@ import pytest
 
 from moe_gmm.report.model import Report, Row, format_value
 from moe_gmm.report.render import render_terminal, to_json, to_markdown, write_report
+from moe_gmm.report.timing import Spread
 
 
 def _report() -> Report:
@@ -34,7 +35,7 @@ def test_status_and_summary():
     r = _report()
     assert [row.status for row in r.rows] == ["PASS", "FAIL", "info"]
     assert not r.ok and [row.check for row in r.failures] == ["forward | pipe"]
-    assert r.to_dict()["summary"] == {"ok": False, "pass": 1, "fail": 1, "info": 1}
+    assert r.to_dict()["summary"] == {"ok": False, "pass": 1, "fail": 1, "info": 1, "noisy": 0}
     assert r.sections() == ["gmm", "perf"]
 
 
@@ -65,6 +66,25 @@ def test_terminal_lists_failures():
     text = buf.getvalue()
     assert "forward, uniform" in text and "FAIL" in text
     assert "1 check(s) FAILED: forward | pipe" in text
+
+
+def test_a_noisy_timing_is_info_and_says_noisy():
+    from rich.console import Console
+
+    r = Report("times")
+    quiet, wide = Spread.of([10.0, 10.5, 11.0]), Spread.of([10.0, 11.0, 40.0])
+    r.add(Row("perf", "step", "ms, median of 3 steps", 10.5, 11.0, None, None, "q", {"eager": quiet.as_dict()}))
+    r.add(Row("perf", "gmm", "ms, median of 3 steps", 10.5, 11.0, None, None, "w", {"fused": wide.as_dict()}))
+    assert [row.noisy for row in r.rows] == [False, True] and r.ok
+    assert r.to_dict()["summary"] == {"ok": True, "pass": 0, "fail": 0, "info": 2, "noisy": 1}
+    assert [row["noisy"] for row in json.loads(to_json(r))["rows"]] == [False, True]
+    md = to_markdown(r)
+    assert "| step | ms, median of 3 steps | 10.5 | 11 | - | info | q |" in md
+    assert "| gmm | ms, median of 3 steps | 10.5 | 11 | - | info, NOISY | w |" in md
+    assert "**all checks pass** (0 pass, 0 fail, 2 info, 1 noisy timing(s))" in md
+    buf = io.StringIO()
+    render_terminal(r, Console(file=buf, width=200))
+    assert "info, NOISY" in buf.getvalue() and "1 noisy timing(s)" in buf.getvalue()
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -61,3 +62,8 @@ def test_two_process_expert_parallel_run_matches_one_process(tmp_path):
         ep = _losses(two / "losses.csv", f"loss_{path}")
         # Same batches and weights; only the summation order of the gradient reductions differs.
         assert ep == pytest.approx(single.losses["fused"], rel=1e-5, abs=1e-5), path
+    # The report names the sharded experts and the backend their local grouped matmuls run on.
+    rows = json.loads((two / "train_report.json").read_text())["rows"]
+    (experts,) = [r for r in rows if r["section"] == "experts (implementation: backend)"]
+    assert experts["eager"] == "moe_gmm expert parallel: eager"
+    assert experts["fused"].startswith("moe_gmm expert parallel: ") and not experts["fused"].endswith(": eager")

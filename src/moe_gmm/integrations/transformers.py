@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +39,8 @@ from moe_gmm.ops.permute import permute, unpermute
 from moe_gmm.ops.weight_layout import lay_out_rows, lay_out_transposed
 
 __all__ = [
+    "ExpertsDescription",
+    "describe_experts",
     "hf_to_moe_gmm_state_dict",
     "make_moe_gmm_experts_forward",
     "moe_block_config_from_hf",
@@ -101,6 +104,7 @@ def make_moe_gmm_experts_forward(*, backend: str | None = None, fused: bool = Tr
             out_TH = unpermute(out_RH, row_id_map_R, top_k_weights, validate=False)  # permute's own map
         return out_TH.to(hidden_states.dtype)
 
+    moe_gmm_experts_forward.moe_gmm_settings = {"fused": fused, "backend": backend}  # read by describe_experts
     return moe_gmm_experts_forward
 
 
@@ -212,6 +216,108 @@ def store_expert_weights_input_major(model: torch.nn.Module) -> list[str]:
             lay_out_transposed(w, True)
         changed.append(name)
     return changed
+
+
+# --------------------------------------------------------------------------------------------
+# Which implementation and backend each experts module runs.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertsDescription:
+    """One routed-experts module: what runs its forward and, where moe-gmm does, on which backend."""
+
+    name: str  # the module's path in the model
+    implementation: str  # e.g. "moe_gmm", "eager", "grouped_mm", "GroupedExperts", "moe_gmm expert parallel"
+    backends: dict[str, str]  # {"gate_up_proj": "cpu", "down_proj": "cpu"}; empty when moe-gmm does not run it
+
+    @property
+    def backend(self) -> str:
+        """The grouped-matmul backend ("-" when moe-gmm does not run the module; both when they differ)."""
+        names = list(dict.fromkeys(self.backends.values()))
+        if len(names) <= 1:
+            return names[0] if names else "-"
+        return ", ".join(f"{proj} {name}" for proj, name in self.backends.items())
+
+    def __str__(self) -> str:
+        return f"{self.name or '<model>'}: {self.implementation}, backend {self.backend}"
+
+
+def _backend_name(weight_EKN: torch.Tensor, fused: bool, backend: str | None) -> str:
+    from moe_gmm.ops.backends import explain
+
+    if not fused:
+        return "eager"
+    choice = explain(weight_EKN.new_empty(1, weight_EKN.shape[1]), weight_EKN, backend=backend)
+    if choice.backend is not None:
+        return choice.backend
+    return "none: " + "; ".join(
+        f"{n} {r}" for n, r in choice.refusals.items() if n == choice.requested or n in choice.auto_order
+    )
+
+
+def _moe_gmm_settings(module: torch.nn.Module) -> tuple[str, dict[str, Any] | None]:
+    """(implementation name, moe-gmm's fused/backend settings or None) of one experts module."""
+    from moe_gmm.layers.experts import GroupedExperts
+
+    shard = getattr(module, "ep_shard", None)
+    if shard is not None:
+        return "moe_gmm expert parallel", {"fused": shard.layout.fused, "backend": shard.layout.backend}
+    if isinstance(module, GroupedExperts):
+        if module.fused_permute:
+            return "GroupedExperts (fused permute, triton)", None
+        return "GroupedExperts", {"fused": module.use_grouped_expert_matmul, "backend": module.backend}
+    name = getattr(module.config, "_experts_implementation", None) or "eager"
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # pragma: no cover - a module with an experts config implies transformers
+        return name, None
+    forward = ALL_EXPERTS_FUNCTIONS.get(name) if name in ALL_EXPERTS_FUNCTIONS else None
+    return name, getattr(forward, "moe_gmm_settings", None)
+
+
+def _is_experts_module(module: torch.nn.Module) -> bool:
+    from moe_gmm.layers.experts import GroupedExperts
+
+    if isinstance(module, GroupedExperts) or getattr(module, "ep_shard", None) is not None:
+        return True
+    # transformers' experts modules, as set up by its use_experts_implementation decorator.
+    return hasattr(module, "has_gate") and hasattr(getattr(module, "config", None), "_experts_implementation")
+
+
+def describe_experts(model: torch.nn.Module) -> list[ExpertsDescription]:
+    """Every routed-experts module of ``model`` with its implementation and, when moe-gmm runs it,
+    the grouped-matmul backend of each projection for the weights' device, dtype and shape now.
+
+    Covers Hugging Face experts modules (``experts_implementation`` "moe_gmm" and any other),
+    moe-gmm's :class:`~moe_gmm.layers.GroupedExperts` and modules sharded by
+    :func:`moe_gmm.parallel.apply_expert_parallel`. ``str()`` of an entry is one readable line.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    from moe_gmm.layers.experts import GroupedExperts
+
+    out = []
+    for name, module in model.named_modules():
+        if not _is_experts_module(module):
+            continue
+        implementation, settings = _moe_gmm_settings(module)
+        backends: dict[str, str] = {}
+        if settings is not None:
+            if isinstance(module, GroupedExperts):
+                first, second, first_name = module.gate_up_proj, module.down_proj, "gate_up_proj"
+            else:
+                has_gate = getattr(module, "has_gate", True)
+                first_name = "gate_up_proj" if has_gate else "up_proj"
+                first, second = getattr(module, first_name), module.down_proj
+                shard = getattr(module, "ep_shard", None)
+                in_out = shard.layout.in_out if shard is not None else getattr(module, "is_transposed", False)
+                if not in_out:
+                    first, second = first.transpose(1, 2), second.transpose(1, 2)
+            for proj, weight in ((first_name, first), ("down_proj", second)):
+                backends[proj] = _backend_name(weight, settings["fused"], settings["backend"])
+        out.append(ExpertsDescription(name, implementation, backends))
+    return out
 
 
 # --------------------------------------------------------------------------------------------

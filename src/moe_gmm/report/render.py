@@ -14,6 +14,11 @@ __all__ = ["render_terminal", "to_json", "to_markdown", "wide_console", "write_r
 _COLUMNS = ("check", "metric", "eager", "fused", "tolerance", "result", "notes")
 
 
+def _result(row) -> str:
+    # A time is never pass/fail; a noisy one says so where the eye looks for a verdict.
+    return "info, NOISY" if row.noisy else row.status
+
+
 def _cells(row) -> list[str]:
     return [
         row.check,
@@ -21,9 +26,14 @@ def _cells(row) -> list[str]:
         format_value(row.eager),
         format_value(row.fused),
         format_value(row.tolerance),
-        row.status,
+        _result(row),
         row.notes,
     ]
+
+
+def _counts(summary: dict) -> str:
+    noisy = f", {summary['noisy']} noisy timing(s)" if summary["noisy"] else ""
+    return f"{summary['pass']} pass, {summary['fail']} fail, {summary['info']} info{noisy}"
 
 
 def _meta_line(report: Report) -> str:
@@ -46,7 +56,7 @@ def to_markdown(report: Report) -> str:
         lines.append("")
     summary = report.to_dict()["summary"]
     verdict = "all checks pass" if report.ok else f"{summary['fail']} check(s) FAILED"
-    lines.append(f"**{verdict}** ({summary['pass']} pass, {summary['fail']} fail, {summary['info']} info)")
+    lines.append(f"**{verdict}** ({_counts(summary)})")
     return "\n".join(lines) + "\n"
 
 
@@ -89,12 +99,12 @@ def render_terminal(report: Report, console=None) -> None:
         for row in report.rows:
             if row.section == section:
                 cells = _cells(row)
-                cells[5] = f"[{style[row.status]}]{row.status}[/]"
+                cells[5] = f"[{'yellow' if row.noisy else style[row.status]}]{cells[5]}[/]"
                 table.add_row(*cells)
         console.print(table)
     summary = report.to_dict()["summary"]
     if report.ok:
-        console.print(f"[green]all checks pass[/] ({summary['pass']} pass, {summary['info']} info)")
+        console.print(f"[green]all checks pass[/] ({_counts(summary)})")
     else:
         console.print(f"[bold red]{summary['fail']} check(s) FAILED[/]: " + "; ".join(r.check for r in report.failures))
 

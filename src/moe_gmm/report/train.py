@@ -25,6 +25,7 @@ import torch
 from moe_gmm._validation import writable_directory
 from moe_gmm.checksum import CheckpointError
 from moe_gmm.config import ConfigError, RunConfig, load_config
+from moe_gmm.integrations.transformers import describe_experts
 from moe_gmm.report.distributed import (
     Runtime,
     apply_ep,
@@ -162,6 +163,7 @@ class _Run:
     dtype: torch.dtype
     out: Path
     init_state: dict[str, torch.Tensor]
+    experts: dict[str, list] = field(default_factory=dict)  # path -> describe_experts(model), for the report
 
     def model(self, path: str, state: dict | None = None) -> torch.nn.Module:
         """The model for ``path`` from ``init.pt``, sharded over the EP group, then ``state`` loaded."""
@@ -217,6 +219,7 @@ def _resume_state(run: _Run, path: str, steps: int) -> dict:
 
 def _run_path(run: _Run, path: str, steps: int, state: dict | None, progress, profile_steps: int) -> tuple:
     model = run.model(path)
+    run.experts[path] = describe_experts(model)
     opt = _optimizer(run.cfg, model)
     ckpt_path = run.checkpoint(path)
     losses: list[float] = []
@@ -302,7 +305,7 @@ def run_training(
             for path in paths:
                 state = states.pop(path)
                 losses[path], step_ms[path], phases[path] = _run_path(run, path, steps, state, progress, profile_steps)
-        report, max_diff = loss_report(cfg, losses, step_ms, phases, run.dtype, rt.world)
+        report, max_diff = loss_report(cfg, losses, step_ms, phases, run.dtype, rt.world, run.experts)
         files: dict[str, Path] = {}
         if rt.is_main:
             files = write_outputs(report, out, losses, step_ms)
