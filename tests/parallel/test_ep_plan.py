@@ -140,7 +140,6 @@ def test_plan_from_reference_config_mapping_and_dataclass():
 def test_reference_397b_plan_on_a_real_multimodal_qwen3_5_moe_module_tree():
     """The reference config's plan, on the module names of a tiny Hugging Face Qwen3.5-MoE with a vision tower."""
     transformers = pytest.importorskip("transformers")
-    from pathlib import Path
 
     from moe_gmm.config import load_config
     from moe_gmm.parallel.layout import experts_layout
@@ -159,7 +158,7 @@ def test_reference_397b_plan_on_a_real_multimodal_qwen3_5_moe_module_tree():
     model = transformers.Qwen3_5MoeForConditionalGeneration(
         transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
     )
-    plan = EPPlan.from_config(load_config(Path(__file__).parents[2] / "configs" / "qwen3_5_397b.yaml").parallel)
+    plan = EPPlan.from_config(load_config("qwen3_5_397b").parallel)
     assert plan.expert_parallel_size == 16 and plan.apply_modules == ("model.language_model.layers.{*}.mlp.experts",)
     modules = dict(model.named_modules())
     matched = plan.match(modules)
