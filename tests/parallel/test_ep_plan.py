@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moe_gmm.parallel.plan import EPPlan, ModulePattern, match_modules
 
@@ -82,6 +83,26 @@ def test_bad_patterns_raise_naming_the_key(pattern, match):
 def test_pattern_matching_nothing_raises():
     with pytest.raises(ValueError, match=r"apply_modules: pattern 'model.layers.\{\*\}.mlp.experts' matches no module"):
         match_modules(QWEN35_NAMES, ["model.layers.{*}.mlp.experts"])
+
+
+def test_a_pattern_matching_nothing_lists_the_closest_experts_modules():
+    from tests.helpers.ep_models import tiny_moe_stack
+
+    modules = dict(tiny_moe_stack(num_layers=3).named_modules())
+    for typo in ("layers.{*}.mlp.expert", "model.layers.{*}.mlp.experts", "layers.{*}.experts"):
+        with pytest.raises(ValueError) as info:
+            match_modules(modules, [typo])
+        # Not the first module names ('', 'layers', ...): the experts modules, as a pattern to copy.
+        assert str(info.value) == (
+            f"parallel.ep_plan.apply_modules: pattern {typo!r} matches no module "
+            "(closest experts modules: layers.{*}.mlp.experts)"
+        )
+    dense = dict(torch.nn.Sequential(torch.nn.Linear(2, 2)).named_modules())
+    with pytest.raises(ValueError, match=r"\(the model has no module with 3-D gate_up_proj and down_proj parameters"):
+        match_modules(dense, ["layers.{*}.mlp.experts"])
+    # Names alone (no modules to inspect): the closest names, layer indices folded into {*}.
+    with pytest.raises(ValueError, match=r"\(closest module names: model.language_model.layers.\{\*\}.mlp.experts, "):
+        match_modules(QWEN35_NAMES, ["model.language_model.layers.{*}.mlp.expert"])
 
 
 def test_two_patterns_on_one_module_raise():
@@ -167,3 +188,8 @@ def test_reference_397b_plan_on_a_real_multimodal_qwen3_5_moe_module_tree():
     assert layout is not None and layout.num_experts == 16 and not layout.in_out and not layout.hf_transpose
     layout, why = experts_layout(modules["model.language_model.layers.0.mlp.shared_expert"])
     assert layout is None and "no 3-D gate_up_proj" in why
+    # The text model's pattern on the multimodal model: the error shows the path to write instead.
+    with pytest.raises(
+        ValueError, match=r"\(closest experts modules: model\.language_model\.layers\.\{\*\}\.mlp\.experts\)$"
+    ):
+        EPPlan(16, ["model.layers.{*}.mlp.experts"]).match(modules)
