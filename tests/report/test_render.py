@@ -8,8 +8,9 @@ import json
 import pytest
 
 from moe_gmm.report.model import Report, Row, format_value
-from moe_gmm.report.render import render_terminal, to_json, to_markdown, write_report
+from moe_gmm.report.render import render_terminal, to_json, to_markdown, wide_console, write_report
 from moe_gmm.report.timing import Spread
+from tests.helpers.bench_runs import tiny_gmm_run
 
 
 def _report() -> Report:
@@ -85,6 +86,34 @@ def test_a_noisy_timing_is_info_and_says_noisy():
     buf = io.StringIO()
     render_terminal(r, Console(file=buf, width=200))
     assert "info, NOISY" in buf.getvalue() and "1 noisy timing(s)" in buf.getvalue()
+
+
+def test_piped_report_tables_never_fold_a_cell():
+    report = _report()
+    long_note = "worst expert 3 of 8; " * 20  # 420 characters, far past any terminal
+    report.add(Row("gmm", "a check named at length, " * 4, "rel err vs float64", 1.0, 1.0, 1e-2, True, long_note))
+    buf = io.StringIO()  # not a terminal, as when the output is piped into a file or a CI log
+    render_terminal(report, wide_console(file=buf))
+    lines = buf.getvalue().splitlines()
+    assert sum(long_note.strip() in line and "a check named at length, " * 4 in line for line in lines) == 1
+    body = [line for line in lines if line.startswith("│")]
+    assert len(body) == len(report.rows)  # one line per row: nothing wrapped onto a second line
+
+
+def test_piped_bench_tables_never_fold_a_cell(monkeypatch, tmp_path, capsys):
+    code, data = tiny_gmm_run(monkeypatch, tmp_path)
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    headers = [line for line in lines if line.startswith("┃")]
+    body = [line for line in lines if line.startswith("│")]
+    groups = {(r["case"], r.get("label"), r["dtype"], r["mode"]) for r in data["rows"]}
+    summary = {(r["impl"], r["dtype"], r["mode"]) for r in data["rows"]}
+    assert len(headers) == 2, headers  # the per-case table and the summary, each header on one line
+    assert len(body) == len(groups) + len(summary), body
+    for name in ("case", "floor ms", "eager ms (x floor)", "max rel err"):
+        assert name in headers[0]
+    for case in {r["case"] for r in data["rows"]}:
+        assert any(case in line for line in body), case
 
 
 @pytest.mark.parametrize(

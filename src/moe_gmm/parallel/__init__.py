@@ -25,6 +25,11 @@ On a DeviceMesh with FSDP2 (or DDP: ``replicate_moe``, same arguments and handle
 
 Experts are DTensor ``Shard(0)`` on ``mesh["ep"]`` and FSDP over ``dp``; dense layers FSDP over all
 ranks; every reduction a sum, so the gradients equal one process on the concatenated batch.
+``par.optimizer(torch.optim.AdamW, lr=...)`` builds the optimizer on the sharded parameters.
+
+Guards (:mod:`moe_gmm.parallel.guards`): an optimizer over parameters that sharding replaced fails
+at its first ``step()`` (or ``check_optimizer(optimizer, model)``); ``verify_replicas(model, group)``
+(every N steps, at checkpoints) raises when replicas drifted apart.
 """
 
 from moe_gmm.parallel.apply import (
@@ -39,6 +44,7 @@ from moe_gmm.parallel.comm import CollectiveError
 from moe_gmm.parallel.ddp import replicate_moe
 from moe_gmm.parallel.dispatcher import AllToAllDispatcher, OverlappedAllToAllDispatcher
 from moe_gmm.parallel.fsdp import parallelize_moe
+from moe_gmm.parallel.guards import check_optimizer, verify_replicas
 from moe_gmm.parallel.mesh import MoeMesh, ParallelizedMoe
 from moe_gmm.parallel.plan import EPPlan
 
@@ -50,6 +56,7 @@ __all__ = [
     "OverlappedAllToAllDispatcher",
     "ParallelizedMoe",
     "apply_expert_parallel",
+    "check_optimizer",
     "clip_grad_norm_",
     "expert_parallel_groups",
     "expert_parallel_modules",
@@ -58,4 +65,5 @@ __all__ = [
     "replicate_moe",
     "save_ep_checkpoint",
     "sync_gradients",
+    "verify_replicas",
 ]

@@ -19,6 +19,7 @@ from moe_gmm.integrations.support import expert_mlp_support, run_expert_mlp
 from moe_gmm.ops.weight_layout import pad_rows, row_padding
 from moe_gmm.parallel.comm import collective
 from moe_gmm.parallel.dispatcher import AllToAllDispatcher, OverlappedAllToAllDispatcher
+from moe_gmm.parallel.guards import record_replaced
 from moe_gmm.parallel.layout import EXPERT_PARAMS, ExpertShard, experts_layout
 from moe_gmm.parallel.plan import EPPlan
 from moe_gmm.parallel.verify import verify_same_setup
@@ -60,9 +61,13 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
     """Shard every experts module matched by ``plan`` along E over ``ep_group``; return their names.
 
     Rank r keeps the contiguous block of experts ``[r * E / ep, (r + 1) * E / ep)`` as plain
-    parameters (so build the optimizer afterwards) and the module's forward becomes the dispatcher
-    path with the same ``(hidden_TH, top_k_index_Tk, top_k_weights_Tk) -> out_TH`` signature and
-    global expert ids. Every other parameter stays whole (replicated; see :func:`sync_gradients`).
+    parameters (so build the optimizer afterwards: an earlier one fails at its first ``step()``,
+    see :func:`~moe_gmm.parallel.guards.check_optimizer`) and the module's forward becomes the
+    dispatcher path with the same ``(hidden_TH, top_k_index_Tk, top_k_weights_Tk) -> out_TH``
+    signature and global expert ids. Every other parameter stays whole (replicated): nothing here
+    keeps the replicas equal, so the training loop must reduce their gradients over the group
+    (:func:`sync_gradients`; ``replicate_moe`` / ``parallelize_moe`` do it themselves), and
+    :func:`~moe_gmm.parallel.guards.verify_replicas` proves it did (call it every N steps).
 
     Collective: every rank of ``ep_group`` must call it. Problems are gathered from all ranks and
     raised as one ``ValueError`` on every rank (never a hang): a pattern matching nothing or two
@@ -129,6 +134,7 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
             pad = row_padding(full)  # a padded layout (GroupedExperts(pad_weight_rows=True)) stays padded
             local = nn.Parameter(pad_rows(owned, pad) if pad else owned.clone(), requires_grad=full.requires_grad)
             setattr(module, pname, local)
+            record_replaced([(f"{name}.{pname}", full)], "apply_expert_parallel")
         # Experts modules get their ids from their block's top-k over E logits, so the range check
         # (a host sync per layer on an accelerator) is skipped unless the module asks for it.
         validate = bool(getattr(module, "validate_routing", False))

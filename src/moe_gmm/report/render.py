@@ -75,11 +75,20 @@ def to_json(report: Report) -> str:
     return json.dumps(_jsonable(report.to_dict()), indent=2, allow_nan=False) + "\n"
 
 
-def wide_console():
-    """A rich console; piped output (CI logs, files) gets 200 columns instead of 80 folded ones."""
+# Piped output (CI logs, files) is read in an editor or a browser that scrolls sideways: rich's
+# 80-column default would fold every wide table, so lines there are as long as their content.
+_PIPED_WIDTH = 10_000
+
+
+def wide_console(**kwargs: Any):
+    """A rich console (``kwargs`` go to ``rich.console.Console``): the terminal's width on a terminal,
+    else wide enough that no table folds a cell."""
     from rich.console import Console
 
-    return Console(width=None if Console().is_terminal else 200)
+    console = Console(**kwargs)
+    if console.is_terminal or "width" in kwargs:
+        return console
+    return Console(width=_PIPED_WIDTH, **kwargs)
 
 
 def render_terminal(report: Report, console=None) -> None:

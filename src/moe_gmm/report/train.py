@@ -150,7 +150,11 @@ def synthetic_batch(cfg: RunConfig, step: int) -> torch.Tensor:
 
 
 def _optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+    from moe_gmm.parallel.guards import check_optimizer
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+    check_optimizer(opt, model)
+    return opt
 
 
 @dataclass
@@ -241,6 +245,10 @@ def _run_path(run: _Run, path: str, steps: int, state: dict | None, progress, pr
         step_ms.append((time.perf_counter() - start) * 1e3)
         progress.update(task, advance=1, description=f"train {path} loss {losses[-1]:.4f}")
         if (every and step % every == 0) or step == steps:
+            if run.rt.distributed:  # replicas that drifted apart would leave per-rank files that disagree
+                from moe_gmm.parallel.guards import verify_replicas
+
+                verify_replicas(model, run.rt.group, what=f"train {path} at step {step}")
             _save(ckpt_path, model, opt, step, losses, step_ms)
     if not profile_steps:
         return losses, step_ms, {}
