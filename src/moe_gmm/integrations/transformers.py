@@ -153,7 +153,7 @@ def pad_expert_weight_rows(model: torch.nn.Module) -> list[str]:
     names of the modules laid out so.
 
     The same values and ``Parameter`` objects: results are unchanged bit for bit, and float32
-    experts with few rows each run faster (``benchmarks/RESULTS.md``). ``save_pretrained`` writes
+    experts with few rows each run faster (``docs/cpu_kernels.md``). ``save_pretrained`` writes
     contiguous copies as usual. A Hugging Face module's ``.to(...)`` afterwards makes the weights
     contiguous again, so call this after dtype and device conversions;
     :class:`~moe_gmm.layers.GroupedExperts` modules keep the layout themselves
@@ -186,12 +186,8 @@ def store_expert_weights_input_major(model: torch.nn.Module) -> list[str]:
 
     Shapes, values and ``Parameter`` objects stay: a ``[E, out, in]`` weight becomes the transposed
     view of ``[E, in, out]`` storage (:func:`moe_gmm.ops.weight_layout.store_transposed`), the
-    contiguous ``[E, K, N]`` weight the grouped matmul's forward reads fastest. On the benchmark
-    machine a Qwen3.5-MoE block's forward with ``experts_implementation="moe_gmm"`` ran 0.98-1.30x
-    faster so in bf16 (0.98-1.11x once the bf16 kernels took experts of 32 rows or more in blocks
-    over a packed weight, whichever its layout) and 0.85-1.26x in float32 (over 1.05x in 23 of 30
-    runs at E >= 64), fwd+bwd 0.90-1.20x (``benchmarks/RESULTS.md``, "Expert weights stored
-    input-major"): a gain for inference, smaller in bf16. The forward takes another kernel, so
+    contiguous ``[E, K, N]`` weight the grouped matmul's forward reads fastest: a gain for
+    inference, about even for training (``docs/performance.md``). The forward takes another kernel, so
     results agree with the default layout to rounding, not bit for bit. Row padding (:func:`pad_expert_weight_rows`, before or after) is kept. ``.to(dtype)`` keeps
     the unpadded layout (PyTorch preserves a dense tensor's strides); ``save_pretrained`` writes the
     usual contiguous checkpoint. Modules whose weights are already ``[E, in, out]``

@@ -117,11 +117,11 @@ class Spread:
         return self.noise is not None
 
     def ranges(self) -> str:
-        """``p20-p80 11.9-13, min-max 11.5-17.2``."""
+        """``p20-p80 {p20}-{p80}, min-max {min}-{max}``."""
         return f"p20-p80 {self.p20:.3g}-{self.p80:.3g}, min-max {self.min:.3g}-{self.max:.3g}"
 
     def describe(self, unit: str = "ms") -> str:
-        """``median 12.3 ms (p20-p80 11.9-13, min-max 11.5-17.2, 30 repeats)``, then ``NOISY: why``
+        """``median {median} ms ({ranges}, {n} repeats)``, then ``NOISY: why``
         when the spread is wide."""
         plural = "s" if self.repeats != 1 else ""
         text = f"median {self.median:.3g} {unit} ({self.ranges()}, {self.repeats} repeat{plural})"
