@@ -181,3 +181,51 @@ def test_bad_config_in_a_subprocess_exits_2_without_traceback(tmp_path):
     assert proc.returncode == EXIT_USAGE, proc.stderr
     assert "moe-gmm: error: parallel.expert_parallel_size: 3 must divide model.num_experts 8" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_train_runs_outside_the_repository_with_the_packaged_default_config(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    argv = ["train", "--steps", "2", "--paths", "eager", "--profile-steps", "0", "--out", "run"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_gmm.cli", *argv],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,  # no configs/ folder here
+        timeout=300,
+    )
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert (tmp_path / "run" / "losses.csv").read_text().count("\n") == 3  # header + two steps
+    assert json.loads((tmp_path / "run" / "train_report.json").read_text())
+
+
+def test_an_unknown_config_name_lists_the_packaged_configs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", "tinyy", "--out", str(tmp_path / "o")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert (
+        "config 'tinyy': no such file and no packaged config of that name (packaged: qwen3_5_397b, tiny, tiny_dp2_ep2)"
+        in err
+    )
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "defaults"),
+    [
+        (
+            "train",
+            ["--config CONFIG", "(default: tiny)", "(default: out/train)", "(default: fused,eager)", "(default: 2)"],
+        ),
+        ("validate", ["(default: cpu)", "(default: bf16)", "(default: out/validate)", "(default: 0)"]),
+        ("bench", ["(default: all)", "(default: out/bench)", "(default: fp32)", "(default: fwdbwd)"]),
+    ],
+)
+def test_help_shows_every_default(command, defaults, capsys):
+    assert main([command, "--help"]) == EXIT_OK
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    for default in defaults:
+        assert default in text, (default, text)
+    # Switches and unset overrides have no default worth printing.
+    assert "(default: None)" not in text and "(default: False)" not in text

@@ -24,7 +24,7 @@ from moe_gmm.ops.backends import GmmBackend, register_backend, unregister_backen
 from moe_gmm.ops.backends import eager as eager_backend
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "configs" / "tiny.yaml"
+TINY = REPO / "src" / "moe_gmm" / "configs" / "tiny.yaml"
 # Short enough that a wrongly accepted config trains for a moment only.
 FAST = ["--steps", "1", "--paths", "eager", "--profile-steps", "0"]
 

@@ -21,10 +21,12 @@ from moe_gmm.config import (
     TrainingConfig,
     config_to_dict,
     load_config,
+    packaged_configs,
     parse_config,
+    resolve_config,
 )
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "src" / "moe_gmm" / "configs"
 
 
 def _tiny() -> dict:
@@ -45,6 +47,42 @@ def test_reference_config_is_schema_valid_with_reference_keys():
     assert cfg.model.use_grouped_expert_matmul is True
     assert (cfg.model.hidden_size, cfg.model.num_experts, cfg.model.num_experts_per_tok) == (4096, 512, 10)
     assert cfg.model.num_experts % cfg.parallel.expert_parallel_size == 0
+
+
+def test_packaged_configs_load_by_name_from_any_directory(tmp_path, monkeypatch):
+    assert list(packaged_configs()) == ["qwen3_5_397b", "tiny", "tiny_dp2_ep2"]
+    monkeypatch.chdir(tmp_path)  # nothing named tiny here: the name finds the packaged file
+    assert resolve_config("tiny") == CONFIGS / "tiny.yaml"
+    assert load_config("tiny") == RunConfig()
+    assert load_config("qwen3_5_397b").parallel.expert_parallel_size == 16
+
+
+def test_a_path_wins_over_a_packaged_name(tmp_path, monkeypatch):
+    (tmp_path / "tiny").write_text("seed: 7\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config("tiny").seed == 7
+    own = tmp_path / "own.yaml"
+    own.write_text("training:\n  steps: 3\n")
+    assert load_config(own).training.steps == 3 and load_config(str(own)).training.steps == 3
+
+
+def test_unknown_config_names_list_the_packaged_ones(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ConfigError,
+        match=r"^config 'tiyn': no such file and no packaged config of that name "
+        r"\(packaged: qwen3_5_397b, tiny, tiny_dp2_ep2\)$",
+    ):
+        load_config("tiyn")
+    # Something shaped like a path is read as one: the missing file is the error, with the names.
+    with pytest.raises(
+        ConfigError,
+        match=r"^config file 'configs/tiny.yaml': cannot be read \(No such file or "
+        r"directory; packaged configs: qwen3_5_397b, tiny, tiny_dp2_ep2\)$",
+    ):
+        load_config("configs/tiny.yaml")
+    with pytest.raises(TypeError, match=r"config must be a str or Path, got int"):
+        load_config(3)
 
 
 def test_round_trip_through_dict():

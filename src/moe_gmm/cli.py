@@ -28,16 +28,34 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{message} (see {self.prog} --help)")
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to each option's help, unless the help already speaks of its default or
+    there is none to show (an off switch, an unset override)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from moe_gmm.config import packaged_configs
+
     parser = _Parser(
         prog="moe-gmm",
         description="Validate, train and benchmark the MoE grouped-matmul operators.",
         epilog="exit codes: 0 every check passed, 1 a check failed, 2 bad usage (flag, config, device, backend)",
+        formatter_class=_DefaultsFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{validate,train,bench}")
 
-    v = sub.add_parser("validate", help="fill the measurement table: eager vs fused, pass/fail per row")
-    v.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
+    v = sub.add_parser(
+        "validate",
+        help="fill the measurement table: eager vs fused, pass/fail per row",
+        formatter_class=_DefaultsFormatter,
+    )
+    v.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu", help="where the operators run")
     v.add_argument(
         "--dtype",
         choices=("bf16", "fp32"),
@@ -53,12 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--backend", default=None, help="grouped-matmul backend of the fused path (default: automatic)")
     v.add_argument("--out", default="out/validate", help="directory for report.md, report.json and plots")
     v.add_argument("--quick", action="store_true", help="fewer tokens and timing repeats (about a minute on 2 cores)")
-    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens")
     v.add_argument("--tokens", type=int, default=None, help="tokens per batch (default 64 with --quick, else 256)")
     v.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
-    t = sub.add_parser("train", help="train a tiny Qwen3.5-MoE on the fused and the eager path; compare losses")
-    t.add_argument("--config", default="configs/tiny.yaml", help="YAML run configuration")
+    t = sub.add_parser(
+        "train",
+        help="train a tiny Qwen3.5-MoE on the fused and the eager path; compare losses",
+        formatter_class=_DefaultsFormatter,
+    )
+    t.add_argument(
+        "--config",
+        default="tiny",
+        help=f"YAML run configuration: a file, or a packaged config's name ({', '.join(packaged_configs())})",
+    )
     t.add_argument("--steps", type=int, default=None, help="override training.steps")
     t.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     t.add_argument("--out", default="out/train", help="directory for losses.csv, losses.png, report, checkpoints")
@@ -74,14 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="override parallel.expert_parallel_size (dp becomes processes / EP), e.g. to --resume on another mesh",
     )
 
-    b = sub.add_parser("bench", help="grouped-matmul and MoE-layer benchmarks with JSON and plots")
-    b.add_argument("--suite", choices=("gmm", "layer", "all"), default="all")
+    b = sub.add_parser(
+        "bench", help="grouped-matmul and MoE-layer benchmarks with JSON and plots", formatter_class=_DefaultsFormatter
+    )
+    b.add_argument("--suite", choices=("gmm", "layer", "all"), default="all", help="which benchmarks run")
     b.add_argument(
         "--out", default="out/bench", help="directory for gmm.json, moe_layer.json, their .md tables and plots"
     )
     b.add_argument("--quick", action="store_true", help="the small case sets and fewer repeats")
-    b.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
-    b.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd"), default="fwdbwd")
+    b.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32", help="data type of the timed cases")
+    b.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd"), default="fwdbwd", help="which passes are timed")
     b.add_argument(
         "--compare",
         default=None,
@@ -90,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(exit 1 on a regression; --quick, --dtype, --mode do not apply)",
     )
     b.add_argument("--baseline-out", default=None, metavar="FILE", help="also write the runs' rows into a baseline")
+    for command in (v, t, b):
+        command.add_argument(
+            "--verbose", action="store_true", help="log which backend runs each layer shape (MOE_GMM_LOG=info does too)"
+        )
     return parser
 
 
@@ -196,6 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _usage_error(str(exc))
     except SystemExit as exc:  # --help
         return EXIT_USAGE if exc.code not in (0, None) else EXIT_OK
+    if args.verbose:
+        from moe_gmm.log import enable_logging
+
+        enable_logging("info")
     handler = {"validate": _validate, "train": _train, "bench": _bench}[args.command]
     return handler(args)
 

@@ -10,6 +10,9 @@ registry does not know or an impossible combination raises :class:`ConfigError` 
 path (``parallel.ep_plan.dispatcher``), never a warning. The dataclasses also check their field
 types on construction (``TypeError`` naming the field), so a config built in code is held to the
 same types.
+
+Configs ship with the package (``moe_gmm/configs/*.yaml``): :func:`load_config` takes a file path
+or a packaged config's name (``"tiny"``), so the command line works from any directory.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ __all__ = [
     "TrainingConfig",
     "config_to_dict",
     "load_config",
+    "packaged_configs",
     "parse_config",
+    "resolve_config",
     "validate_config",
 ]
 
@@ -319,15 +324,46 @@ def parse_config(data: Any, *, world_size: int | None = None) -> RunConfig:
     return validate_config(_build(RunConfig, data, ""), world_size=world_size)
 
 
+def packaged_configs() -> dict[str, Path]:
+    """The configs shipped with the package, by name (the file name without ``.yaml``)."""
+    folder = Path(__file__).resolve().parent / "configs"
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def resolve_config(name_or_path: str | Path) -> Path:
+    """The file behind ``--config``: an existing file, else the packaged config of that name.
+
+    A value that names neither raises :class:`ConfigError` listing the packaged names; one that
+    looks like a path (a folder separator or a ``.yaml`` / ``.yml`` suffix) is returned as it is,
+    so reading it reports the missing file.
+    """
+    if not isinstance(name_or_path, (str, Path)):
+        raise TypeError(f"config must be a str or Path, got {type(name_or_path).__name__}")
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    packaged = packaged_configs()
+    text = str(name_or_path)
+    if text in packaged:
+        return packaged[text]
+    if path.suffix in (".yaml", ".yml") or "/" in text or "\\" in text:
+        return path
+    raise ConfigError(
+        f"config {text!r}: no such file and no packaged config of that name (packaged: {', '.join(packaged)})"
+    )
+
+
 def load_config(path: str | Path, *, world_size: int | None = None) -> RunConfig:
-    """Read a YAML file into a validated :class:`RunConfig`; every problem is a :class:`ConfigError`."""
+    """Read a YAML file, or a packaged config by name (:func:`resolve_config`), into a validated
+    :class:`RunConfig`; every problem is a :class:`ConfigError`."""
     import yaml
 
-    path = Path(path)
+    path = resolve_config(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"config file {str(path)!r}: cannot be read ({exc.strerror or exc})") from None
+        hint = f"; packaged configs: {', '.join(packaged_configs())}" if isinstance(exc, FileNotFoundError) else ""
+        raise ConfigError(f"config file {str(path)!r}: cannot be read ({exc.strerror or exc}{hint})") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:

@@ -24,7 +24,21 @@ BAD_INPUTS = {
     "dtype_mismatch": (dict(weight=torch.randn(3, 8, 4, dtype=torch.float64)), TypeError, "share a dtype"),
     "too_few_groups": (dict(group_list=[2, 4]), ValueError, r"group_list must have one entry per expert.*got 2"),
     "too_many_groups": (dict(group_list=[2, 0, 4, 0]), ValueError, "group_list must have one entry per expert"),
-    "negative_count": (dict(group_list=[3, -1, 4]), ValueError, r"group_list counts must be >= 0.*group_list\[1\] = -1"),
+    "negative_count": (dict(group_list=[3, -1, 4]), ValueError, r"group_list counts must lie in \[0, x.shape\[0\] = 6\].*group_list\[1\] = -1"),
+    "count_above_m": ({"group_list": [7, -1, 0]}, ValueError, r"group_list counts must lie in.*group_list\[0\] = 7"),
+    # 4 * 2**62 + 6 wraps the int64 sum to 6 = M: each count is checked before summing.
+    "overflowing_counts": (
+        {"weight": torch.randn(4, 8, 4), "group_list": [2**62] * 3 + [2**62 + 6]}, ValueError, r"group_list\[0\] = 4611686018427387904"),
+    "overflowing_tensor_counts": (
+        {"weight": torch.randn(4, 8, 4), "group_list": torch.tensor([2**62] * 3 + [2**62 + 6])}, ValueError, "counts must lie in"),
+    "count_beyond_int64": ({"group_list": [2**64, 0, 6]}, ValueError, r"group_list\[0\] must lie in"),
+    "cumsum_above_m": ({"group_list": [2, 9, 6], "group_list_type": "cumsum"}, ValueError, "non-decreasing"),
+    "unchecked_wrong_sum": ({"group_list": [2, 0, 3], "validate": False}, ValueError, r"summing to x.shape\[0\] = 6"),
+    "unchecked_negative": ({"group_list": [7, -1, 0], "validate": False}, ValueError, r"row ends are \[7, 6, 6\]"),
+    "unchecked_overflow": (
+        {"weight": torch.randn(4, 8, 4), "group_list": [2**62] * 3 + [2**62 + 6], "validate": False}, ValueError, "row ends"),
+    "validate_not_bool": ({"validate": "no"}, TypeError, "validate must be a bool"),
+    "backend_not_str": ({"backend": 3}, TypeError, "backend must be a str or None"),
     "sum_too_small": (dict(group_list=[2, 0, 3]), ValueError, r"sum\(group_list\) must equal x.shape\[0\] = 6, got 5"),
     "sum_too_large": (dict(group_list=[2, 0, 5]), ValueError, r"sum\(group_list\) must equal x.shape\[0\]"),
     "float_tensor_groups": (dict(group_list=torch.tensor([2.0, 0.0, 4.0])), TypeError, "group_list must be an int32 or int64"),

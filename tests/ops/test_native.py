@@ -109,9 +109,9 @@ def test_native_permute_is_the_composed_permute_bit_for_bit(
 @needs_kernels
 @pytest.mark.parametrize("bad", [-1, 4])
 def test_native_permute_rejects_an_id_outside_the_experts_unvalidated(bad):
-    # validate=False skips the Python range check; the kernel still refuses instead of writing out of bounds.
+    # validate=False skips the Python range check; the kernel still refuses (a ValueError) instead of writing out of bounds.
     ids = torch.tensor([[0, 1], [bad, 2]])
-    with pytest.raises(RuntimeError, match=r"expert id .* outside \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"expert id .* outside \[0, 4\)"):
         permute(torch.randn(2, 8), ids, 4, validate=False)
 
 
@@ -322,3 +322,18 @@ def test_cpuinfo_value_reads_the_first_matching_line():
     expected = lines[0].split(":", 1)[1].strip() if lines else None
     assert native.cpuinfo_value("flags", "Features") == expected
     assert native.cpuinfo_value("no such field in cpuinfo") is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("bad", [-1, 6, 10**9])
+def test_kernels_refuse_row_ids_outside_the_rows(bad):
+    # The Python side checks unless told not to; the kernels never index memory with a bad id.
+    assert native.available(), native.unavailable_reason()
+    kernels = torch.ops.moe_gmm_native
+    src, probs, grad_out = torch.randn(6, 4), torch.rand(3, 2), torch.randn(3, 4)
+    row_id_map = torch.arange(6)
+    row_id_map[4] = bad
+    with pytest.raises(ValueError, match=rf"slot_sum: row_id_map\[4\] = {bad} outside \[0, 6\)"):
+        kernels.slot_sum(src, row_id_map, probs, 2, torch.empty(3, 4))
+    with pytest.raises(ValueError, match=rf"unpermute_backward: row_id_map\[4\] = {bad} outside \[0, 6\)"):
+        kernels.unpermute_backward(grad_out, src, row_id_map, probs, torch.empty(6, 4), torch.empty(3, 2))

@@ -237,6 +237,84 @@ def test_unpermute_rejects_bad_inputs():
         unpermute(y, rows, probs.view(8))
 
 
+def _routed(num_tokens=4, top_k=2, num_experts=3, hidden=3):
+    x, ids, probs = _inputs(num_tokens, top_k, num_experts, hidden, "uneven", torch.float32)
+    permuted, row_id_map, _ = permute(x, ids, num_experts)
+    return permuted, row_id_map, probs
+
+
+@pytest.mark.parametrize("bad", [-1, 8, 10**6, -(2**63), 2**63 - 1])
+@pytest.mark.parametrize("validate", [True, False])
+def test_unpermute_refuses_a_map_value_out_of_range(bad, validate):
+    # Such a value read (and in backward wrote) outside expert_out's rows.
+    permuted, row_id_map, probs = _routed()
+    row_id_map[3] = bad
+    if validate:
+        with pytest.raises(
+            ValueError, match=rf"row_id_map_R values must lie in \[0, R = 8\).*row_id_map_R\[3\] = {bad}"
+        ):
+            unpermute(permuted, row_id_map, probs)
+    else:  # the kernels' own bounds check (native) or index_select's (composed)
+        with pytest.raises((ValueError, IndexError), match=r"row_id_map\[3\]|index out of range"):
+            unpermute(permuted, row_id_map, probs, validate=False)
+
+
+def test_unpermute_refuses_a_map_that_is_not_a_permutation():
+    permuted, row_id_map, probs = _routed()
+    with pytest.raises(ValueError, match=r"permutation of range\(8\).*row 1 is never referenced"):
+        unpermute(permuted, torch.zeros_like(row_id_map), probs)
+    twice = row_id_map.clone()
+    twice[5] = twice[4]
+    with pytest.raises(ValueError, match="permutation"):
+        unpermute(permuted, twice, probs)
+
+
+def test_unpermute_with_top_k_refuses_transposed_probs():
+    permuted, row_id_map, probs = _routed(num_tokens=6, top_k=2)
+    with pytest.raises(ValueError, match=r"probs_Tk must be \[T, k\] with k = top_k = 2, got shape \(2, 6\)"):
+        unpermute(permuted, row_id_map, probs.reshape(2, 6), top_k=2)
+    torch.testing.assert_close(unpermute(permuted, row_id_map, probs, top_k=2), unpermute(permuted, row_id_map, probs))
+    with pytest.raises(TypeError, match="top_k must be an int"):
+        unpermute(permuted, row_id_map, probs, top_k=2.0)
+
+
+@pytest.mark.parametrize("bad", [-1, 3, 2**31 - 1])
+def test_permute_unchecked_ids_still_raise(bad):
+    # validate=False promises the ids are in range; the kernels refuse one that is not anyway.
+    x, ids, _ = _inputs(4, 2, 3, 3, "uneven", torch.float32)
+    ids[2, 1] = bad
+    with pytest.raises(ValueError, match="expert id|selected_experts_Tk"):
+        permute(x, ids, 3, validate=False)
+    with pytest.raises(ValueError, match=rf"got {bad} at index \(2, 1\)"):
+        permute(x, ids, 3)
+
+
+def test_validate_flags_must_be_bool():
+    permuted, row_id_map, probs = _routed()
+    with pytest.raises(TypeError, match="validate must be a bool"):
+        unpermute(permuted, row_id_map, probs, validate="no")
+    x, ids, _ = _inputs(4, 2, 3, 3, "uneven", torch.float32)
+    with pytest.raises(TypeError, match="validate must be a bool"):
+        permute(x, ids, 3, validate=0)
+    with pytest.raises(TypeError, match="num_experts"):
+        permute(x, ids, 3.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_unchecked_paths_match_checked(dtype):
+    x, ids, probs = _inputs(9, 3, 4, 16, "uneven", dtype)
+    expert_out = torch.randn(27, 16).to(dtype)
+    results = []
+    for validate in (True, False):
+        xs, ps, ys = (t.clone().requires_grad_(True) for t in (x, probs, expert_out))
+        permuted, row_id_map, counts = permute(xs, ids, 4, validate=validate)
+        out = unpermute(ys, row_id_map, ps, validate=validate)
+        (out.sum() + permuted.sum()).backward()
+        results.append((permuted, row_id_map, counts, out, xs.grad, ps.grad, ys.grad))
+    for checked, unchecked in zip(*results):
+        assert torch.equal(checked, unchecked)
+
+
 def test_every_output_element_is_written(poisoned_memory):
     # Uninitialised memory is NaN here: the row scatter in unpermute's backward must cover every row.
     _check_round_trip(num_tokens=10, top_k=3, num_experts=5, hidden=8, routing="duplicate_topk", dtype=torch.float32)

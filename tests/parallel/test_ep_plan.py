@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moe_gmm.parallel.plan import EPPlan, ModulePattern, match_modules
 
@@ -84,6 +85,26 @@ def test_pattern_matching_nothing_raises():
         match_modules(QWEN35_NAMES, ["model.layers.{*}.mlp.experts"])
 
 
+def test_a_pattern_matching_nothing_lists_the_closest_experts_modules():
+    from tests.helpers.ep_models import tiny_moe_stack
+
+    modules = dict(tiny_moe_stack(num_layers=3).named_modules())
+    for typo in ("layers.{*}.mlp.expert", "model.layers.{*}.mlp.experts", "layers.{*}.experts"):
+        with pytest.raises(ValueError) as info:
+            match_modules(modules, [typo])
+        # Not the first module names ('', 'layers', ...): the experts modules, as a pattern to copy.
+        assert str(info.value) == (
+            f"parallel.ep_plan.apply_modules: pattern {typo!r} matches no module "
+            "(closest experts modules: layers.{*}.mlp.experts)"
+        )
+    dense = dict(torch.nn.Sequential(torch.nn.Linear(2, 2)).named_modules())
+    with pytest.raises(ValueError, match=r"\(the model has no module with 3-D gate_up_proj and down_proj parameters"):
+        match_modules(dense, ["layers.{*}.mlp.experts"])
+    # Names alone (no modules to inspect): the closest names, layer indices folded into {*}.
+    with pytest.raises(ValueError, match=r"\(closest module names: model.language_model.layers.\{\*\}.mlp.experts, "):
+        match_modules(QWEN35_NAMES, ["model.language_model.layers.{*}.mlp.expert"])
+
+
 def test_two_patterns_on_one_module_raise():
     with pytest.raises(ValueError, match=r"layers.3.mlp.experts' is matched by both"):
         match_modules(
@@ -140,7 +161,6 @@ def test_plan_from_reference_config_mapping_and_dataclass():
 def test_reference_397b_plan_on_a_real_multimodal_qwen3_5_moe_module_tree():
     """The reference config's plan, on the module names of a tiny Hugging Face Qwen3.5-MoE with a vision tower."""
     transformers = pytest.importorskip("transformers")
-    from pathlib import Path
 
     from moe_gmm.config import load_config
     from moe_gmm.parallel.layout import experts_layout
@@ -159,7 +179,7 @@ def test_reference_397b_plan_on_a_real_multimodal_qwen3_5_moe_module_tree():
     model = transformers.Qwen3_5MoeForConditionalGeneration(
         transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
     )
-    plan = EPPlan.from_config(load_config(Path(__file__).parents[2] / "configs" / "qwen3_5_397b.yaml").parallel)
+    plan = EPPlan.from_config(load_config("qwen3_5_397b").parallel)
     assert plan.expert_parallel_size == 16 and plan.apply_modules == ("model.language_model.layers.{*}.mlp.experts",)
     modules = dict(model.named_modules())
     matched = plan.match(modules)
@@ -168,3 +188,8 @@ def test_reference_397b_plan_on_a_real_multimodal_qwen3_5_moe_module_tree():
     assert layout is not None and layout.num_experts == 16 and not layout.in_out and not layout.hf_transpose
     layout, why = experts_layout(modules["model.language_model.layers.0.mlp.shared_expert"])
     assert layout is None and "no 3-D gate_up_proj" in why
+    # The text model's pattern on the multimodal model: the error shows the path to write instead.
+    with pytest.raises(
+        ValueError, match=r"\(closest experts modules: model\.language_model\.layers\.\{\*\}\.mlp\.experts\)$"
+    ):
+        EPPlan(16, ["model.layers.{*}.mlp.experts"]).match(modules)

@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from moe_gmm.cli import EXIT_OK, EXIT_USAGE, main
 from moe_gmm.config import RunConfig, TrainingConfig
+from moe_gmm.ops.backends import registered_backends
 from moe_gmm.report.train import run_training, synthetic_batch
 from moe_gmm.testing import tolerance_for
 
@@ -45,6 +46,19 @@ def test_fused_and_eager_losses_align_and_fall(dtype, tmp_path):
     for f, e in zip(fused, eager):
         assert abs(f - e) <= tol.atol + tol.rtol * abs(e)
     assert fused[-1] < fused[0] and eager[-1] < eager[0]
+    # The report names each experts module's backend and gives every time with its repeats.
+    experts = [r for r in result.report.rows if r.section == "experts (implementation: backend)"]
+    layers = result.report.meta["layers"]
+    assert [(r.check, r.eager) for r in experts] == [
+        (f"model.layers.{{0-{layers - 1}}}.mlp.experts", "moe_gmm_eager: eager")
+    ]
+    assert experts[0].fused.split(": ")[0] == "moe_gmm" and experts[0].fused.split(": ")[1] in registered_backends()
+    (step_row,) = [r for r in result.report.rows if r.check == "training step"]
+    assert step_row.metric == f"ms, median of {STEPS - 1} steps" and "step 1 left out" in step_row.notes
+    assert step_row.details["fused"]["repeats"] == STEPS - 1
+    if dtype == "fp32":
+        profiled = {r.check: r for r in result.report.rows if r.check.endswith("(profiler)")}
+        assert profiled["gmm (profiler)"].fused <= profiled["profiled step (profiler)"].fused
     with (tmp_path / "losses.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))

@@ -1,4 +1,4 @@
-"""``moe-gmm train`` on a (dp, ep) mesh: ``torchrun --nproc-per-node 4`` with ``configs/tiny_dp2_ep2.yaml``
+"""``moe-gmm train`` on a (dp, ep) mesh: ``torchrun --nproc-per-node 4`` with ``--config tiny_dp2_ep2``
 trains 2 steps and saves a DCP checkpoint; resumed at (1, 4) for a third step and then in one
 process for a fourth, the losses equal an uninterrupted 4-step run in one process.
 
@@ -9,6 +9,7 @@ The real ``torchrun`` runs once; the resume runs the same entry point (``run_tra
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from moe_gmm.parallel.launch import free_port, run_ranks
 from moe_gmm.report.train import run_training
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "configs" / "tiny_dp2_ep2.yaml"
+CONFIG = REPO / "src" / "moe_gmm" / "configs" / "tiny_dp2_ep2.yaml"
 
 pytestmark = pytest.mark.distributed
 
@@ -56,7 +57,7 @@ def test_torchrun_dp2_ep2_resumes_at_1x4_with_the_same_losses(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-        "-m", "moe_gmm.cli", "train", "--config", str(CONFIG), "--out", str(tmp_path / "mesh"), "--steps", "2",
+        "-m", "moe_gmm.cli", "train", "--config", "tiny_dp2_ep2", "--out", str(tmp_path / "mesh"), "--steps", "2",
         "--paths", "fused", "--profile-steps", "0",
     ]  # fmt: skip
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=240)
@@ -69,6 +70,10 @@ def test_torchrun_dp2_ep2_resumes_at_1x4_with_the_same_losses(tmp_path):
     metadata = checkpoint_metadata(out / "ckpt_fused.dcp").state_dict_metadata
     assert tuple(metadata["model.model.layers.0.mlp.experts.gate_up_proj"].size) == (8, 64, 64)
     assert "optim.state.model.layers.1.mlp.experts.down_proj.exp_avg_sq" in metadata
+    # The report names the sharded experts and the backend their local grouped matmuls run on.
+    rows = json.loads((out / "train_report.json").read_text())["rows"]
+    (experts,) = [r for r in rows if r["section"] == "experts (implementation: backend)"]
+    assert experts["fused"].startswith("moe_gmm expert parallel: ") and not experts["fused"].endswith(": eager")
 
     resumed = run_ranks(_resume_worker, 4, str(_config_at(tmp_path, 1, 4)), str(out), timeout_s=240)
     for rank, losses in enumerate(resumed):

@@ -175,10 +175,10 @@ def _summarise(per_rank: list[dict[str, list[float]]]) -> dict[str, dict[str, fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from moe_gmm.parallel.launch import run_ranks
+    from moe_gmm.report.render import wide_console
 
     p = argparse.ArgumentParser(description="Expert-parallel dispatch/combine and overlap on local gloo ranks.")
     p.add_argument("--quick", action="store_true", help="one small case, 3 repeats")
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         bad = [c.name for c in cases if c.num_experts % ep]
         if ep < 2 or bad:
             raise SystemExit(f"--ep: {ep} must be >= 2 and divide the experts of every case (not {bad})")
-    console = Console(width=max(Console().width, 150))
+    console = wide_console()
     machine = describe_machine()
     command = "python -m benchmarks.run_ep " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])

@@ -312,9 +312,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
-
     from moe_gmm.bench.table import markdown_report, print_report
+    from moe_gmm.report.render import wide_console
 
     args = build_parser().parse_args(argv)
     dtypes = [_DTYPES[n] for n in split_choices(args.dtype, ("fp32", "bf16", "fp16"), "--dtype")]
@@ -347,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    console = Console()
+    console = wide_console()
     machine = describe_machine()
     console.print(f"measuring machine limits ({', '.join(DTYPE_NAMES[d] for d in dtypes)} GEMM, copy bandwidth)...")
     limits = measure_limits(tuple(dtypes), quick=args.quick)

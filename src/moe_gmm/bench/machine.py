@@ -1,7 +1,7 @@
 """What the machine can do, measured in the same run as the benchmark it calibrates.
 
-A benchmark time means little on its own on a shared or virtualised CPU: the same code runs 20%
-apart from one hour to the next. So every run measures its own limits and reports each result as a
+A benchmark time means little on its own on a shared or virtualised CPU: the same code runs at
+different speeds from one hour to the next. So every run measures its own limits and reports each result as a
 ratio to the *roofline floor*, the least time the work could take on this machine:
 
     floor = max(flops / peak_gemm_rate[dtype], min_bytes / copy_bandwidth)
@@ -10,8 +10,7 @@ ratio to the *roofline floor*, the least time the work could take on this machin
   dtype with all of torch's threads, by either of the GEMMs this machine has: ``torch.mm`` (the
   BLAS this torch ships: MKL for fp32, oneDNN for bf16) and this library's ``cpu`` backend on one
   expert of n rows. Both count because the floor is the least time on this machine: where the
-  BLAS runs generic code (MKL on AMD CPUs, 226-240 GFLOP/s fp32 on 2 Zen 5 cores) the native
-  float32 kernels run 1.7-2x faster, and a floor from the BLAS alone would be one they beat.
+  BLAS runs generic code (MKL on AMD CPUs) the native float32 kernels run faster, and a floor from the BLAS alone would be one they beat.
   ``Limits.peak_sources`` names the GEMM that set each peak.
 - ``copy_bandwidth``: a ``dst.copy_(src)`` of a buffer far larger than the caches, counting one
   read and one write per byte.
@@ -241,8 +240,8 @@ def measure_peak_gemm(dtype: torch.dtype, sizes: tuple[int, ...] = (2048, 3072),
 class CopyBandwidthProbe:
     """``dst.copy_(src)`` on ``mib`` MiB buffers allocated once, for measuring again and again.
 
-    On some virtual machines the memory bandwidth flips between states within a minute (an AMD
-    EPYC VM here: about 46 and about 80 GB/s, in runs of tens of seconds): the GMM benchmark
+    On some virtual machines the memory bandwidth flips between states within a minute (seen on an
+    AMD EPYC VM; ``docs/performance.md``): the GMM benchmark
     measures it next to every case with one probe.
     """
 

@@ -346,10 +346,11 @@ def _notes(records: list[dict[str, Any]]) -> list[str]:
 
 def print_memory_table(records: list[dict[str, Any]], console=None) -> None:
     """The memory table (MiB) with ``rich``."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from moe_gmm.report.render import wide_console
+
+    console = console or wide_console()
     table = Table(title="peak memory of one fwd+bwd step (MiB)", caption=MEMORY_CAPTION, header_style="bold")
     for i, name in enumerate(_HEADER):
         table.add_column(name, justify="left" if i < 3 else "right")

@@ -146,10 +146,11 @@ def _header_lines(report: BenchReport) -> list[str]:
 
 def print_report(report: BenchReport, console=None) -> None:
     """Print the header, the per-case table and the summary with ``rich``."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from moe_gmm.report.render import wide_console
+
+    console = console or wide_console()
     console.print(f"[bold]{report.title}[/bold]")
     for line in _header_lines(report):
         console.print(line, highlight=False)

@@ -26,18 +26,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.profiler import record_function
 
+from moe_gmm.integrations.support import expert_mlp_support, run_expert_mlp
 from moe_gmm.layers.moe_block import MoeBlockConfig
-from moe_gmm.ops.expert_mlp import expert_mlp
 from moe_gmm.ops.grouped_matmul import grouped_matmul
 from moe_gmm.ops.permute import permute, unpermute
 from moe_gmm.ops.weight_layout import lay_out_rows, lay_out_transposed
 
 __all__ = [
+    "ExpertsDescription",
+    "describe_experts",
     "hf_to_moe_gmm_state_dict",
     "make_moe_gmm_experts_forward",
     "moe_block_config_from_hf",
@@ -60,27 +63,17 @@ _PER_EXPERT_KEY = re.compile(
 # --------------------------------------------------------------------------------------------
 
 
-def _is_plain_swiglu(module: torch.nn.Module) -> bool:
-    """True when ``module``'s gating is ``silu(gate) * up`` on concatenated halves (our swiglu op)."""
-    from transformers.activations import SiLUActivation
-    from transformers.integrations.moe import _default_apply_gate
-
-    return (
-        module.has_gate
-        and getattr(module, "is_concatenated", True)
-        and type(module)._apply_gate is _default_apply_gate
-        and isinstance(module.act_fn, (torch.nn.SiLU, SiLUActivation))
-    )
-
-
 def make_moe_gmm_experts_forward(*, backend: str | None = None, fused: bool = True) -> Callable[..., torch.Tensor]:
     """An experts forward ``fn(self, hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
 
     ``backend`` forces a grouped-matmul backend (default: ``$MOE_GMM_BACKEND`` or auto);
-    ``fused=False`` runs the eager per-expert loop. Plain SwiGLU experts (Qwen3.5-MoE, Qwen3-MoE,
-    Mixtral, OLMoE, ...) take :func:`~moe_gmm.ops.expert_mlp`; other gates (interleaved halves,
-    other activations), biases and post-expert norms keep the grouped matmuls and call the module's
-    own ``_apply_gate`` / ``act_fn`` / ``post_expert_norm`` in between.
+    ``fused=False`` runs the eager per-expert loop. What runs is decided by
+    :func:`~moe_gmm.integrations.support.expert_mlp_support`, the rule expert parallelism shares:
+    plain SwiGLU experts (Qwen3.5-MoE, Qwen3-MoE, Mixtral, OLMoE, ...) take
+    :func:`~moe_gmm.ops.expert_mlp`; other gates (clamped, interleaved halves, other activations)
+    and post-expert norms keep the grouped matmuls and call the module's own ``_apply_gate`` /
+    ``post_expert_norm`` in between. Modules the rule refuses (biases, no gate) run the same
+    grouped matmuls with the biases added and the module's own gate or activation.
     """
 
     def moe_gmm_experts_forward(
@@ -101,20 +94,23 @@ def make_moe_gmm_experts_forward(*, backend: str | None = None, fused: bool = Tr
         with record_function("moe::permute"):
             # Ids come from the model's router top-k: in range by construction, no host sync.
             permuted_RH, row_id_map_R, counts_E = permute(x_TH, top_k_index, self.num_experts, validate=False)
-        gmm = {"fused": fused, "backend": backend, "validate": False}
-        if not self.has_bias and not self.has_post_expert_norm and _is_plain_swiglu(self):
-            out_RH = expert_mlp(permuted_RH, counts_E, first, second, **gmm)
+        support = expert_mlp_support(self)
+        if support.ok:
+            out_RH = run_expert_mlp(self, support, permuted_RH, counts_E, first, second, fused=fused, backend=backend)
         else:
+            gmm = {"fused": fused, "backend": backend, "validate": False}
             out_RH = _generic_expert_mlp(self, permuted_RH, counts_E, first, second, gmm)
         with record_function("moe::unpermute"):
-            out_TH = unpermute(out_RH, row_id_map_R, top_k_weights)
+            out_TH = unpermute(out_RH, row_id_map_R, top_k_weights, validate=False)  # permute's own map
         return out_TH.to(hidden_states.dtype)
 
+    moe_gmm_experts_forward.moe_gmm_settings = {"fused": fused, "backend": backend}  # read by describe_experts
     return moe_gmm_experts_forward
 
 
 def _generic_expert_mlp(self, x_RH, counts_E, first_EKN, second_EKN, gmm: dict[str, Any]) -> torch.Tensor:
-    """GMM -> the module's own gate or activation -> GMM, with optional biases and post-expert norm."""
+    """GMM -> the module's own gate or activation -> GMM, with optional biases and post-expert norm: the
+    fallback for experts the support rule refuses (biases, no gate)."""
     expert_of_row_R = None
     if self.has_bias:
         expert_of_row_R = torch.repeat_interleave(
@@ -157,7 +153,7 @@ def pad_expert_weight_rows(model: torch.nn.Module) -> list[str]:
     names of the modules laid out so.
 
     The same values and ``Parameter`` objects: results are unchanged bit for bit, and float32
-    experts with few rows each run faster (``benchmarks/RESULTS.md``). ``save_pretrained`` writes
+    experts with few rows each run faster (``docs/cpu_kernels.md``). ``save_pretrained`` writes
     contiguous copies as usual. A Hugging Face module's ``.to(...)`` afterwards makes the weights
     contiguous again, so call this after dtype and device conversions;
     :class:`~moe_gmm.layers.GroupedExperts` modules keep the layout themselves
@@ -190,12 +186,8 @@ def store_expert_weights_input_major(model: torch.nn.Module) -> list[str]:
 
     Shapes, values and ``Parameter`` objects stay: a ``[E, out, in]`` weight becomes the transposed
     view of ``[E, in, out]`` storage (:func:`moe_gmm.ops.weight_layout.store_transposed`), the
-    contiguous ``[E, K, N]`` weight the grouped matmul's forward reads fastest. On the benchmark
-    machine a Qwen3.5-MoE block's forward with ``experts_implementation="moe_gmm"`` ran 0.98-1.30x
-    faster so in bf16 (0.98-1.11x once the bf16 kernels took experts of 32 rows or more in blocks
-    over a packed weight, whichever its layout) and 0.85-1.26x in float32 (over 1.05x in 23 of 30
-    runs at E >= 64), fwd+bwd 0.90-1.20x (``benchmarks/RESULTS.md``, "Expert weights stored
-    input-major"): a gain for inference, smaller in bf16. The forward takes another kernel, so
+    contiguous ``[E, K, N]`` weight the grouped matmul's forward reads fastest: a gain for
+    inference, about even for training (``docs/performance.md``). The forward takes another kernel, so
     results agree with the default layout to rounding, not bit for bit. Row padding (:func:`pad_expert_weight_rows`, before or after) is kept. ``.to(dtype)`` keeps
     the unpadded layout (PyTorch preserves a dense tensor's strides); ``save_pretrained`` writes the
     usual contiguous checkpoint. Modules whose weights are already ``[E, in, out]``
@@ -220,6 +212,110 @@ def store_expert_weights_input_major(model: torch.nn.Module) -> list[str]:
             lay_out_transposed(w, True)
         changed.append(name)
     return changed
+
+
+# --------------------------------------------------------------------------------------------
+# Which implementation and backend each experts module runs.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertsDescription:
+    """One routed-experts module: what runs its forward and, where moe-gmm does, on which backend."""
+
+    name: str  # the module's path in the model
+    implementation: str  # e.g. "moe_gmm", "eager", "grouped_mm", "GroupedExperts", "moe_gmm expert parallel"
+    backends: dict[str, str]  # {"gate_up_proj": "cpu", "down_proj": "cpu"}; empty when moe-gmm does not run it
+
+    @property
+    def backend(self) -> str:
+        """The grouped-matmul backend ("-" when moe-gmm does not run the module; both when they differ)."""
+        names = list(dict.fromkeys(self.backends.values()))
+        if len(names) <= 1:
+            return names[0] if names else "-"
+        return ", ".join(f"{proj} {name}" for proj, name in self.backends.items())
+
+    def __str__(self) -> str:
+        return f"{self.name or '<model>'}: {self.implementation}, backend {self.backend}"
+
+
+def _backend_name(weight_EKN: torch.Tensor, fused: bool, backend: str | None) -> str:
+    from moe_gmm.ops.backends import explain
+
+    if not fused:
+        return "eager"
+    if hasattr(weight_EKN, "to_local"):  # parallelize_moe's DTensor experts: the op runs on the local rows
+        weight_EKN = weight_EKN.to_local()
+    choice = explain(weight_EKN.new_empty(1, weight_EKN.shape[1]), weight_EKN, backend=backend)
+    if choice.backend is not None:
+        return choice.backend
+    return "none: " + "; ".join(
+        f"{n} {r}" for n, r in choice.refusals.items() if n == choice.requested or n in choice.auto_order
+    )
+
+
+def _moe_gmm_settings(module: torch.nn.Module) -> tuple[str, dict[str, Any] | None]:
+    """(implementation name, moe-gmm's fused/backend settings or None) of one experts module."""
+    from moe_gmm.layers.experts import GroupedExperts
+
+    shard = getattr(module, "ep_shard", None)
+    if shard is not None:
+        return "moe_gmm expert parallel", {"fused": shard.layout.fused, "backend": shard.layout.backend}
+    if isinstance(module, GroupedExperts):
+        if module.fused_permute:
+            return "GroupedExperts (fused permute, triton)", None
+        return "GroupedExperts", {"fused": module.use_grouped_expert_matmul, "backend": module.backend}
+    name = getattr(module.config, "_experts_implementation", None) or "eager"
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # pragma: no cover - a module with an experts config implies transformers
+        return name, None
+    forward = ALL_EXPERTS_FUNCTIONS.get(name) if name in ALL_EXPERTS_FUNCTIONS else None
+    return name, getattr(forward, "moe_gmm_settings", None)
+
+
+def _is_experts_module(module: torch.nn.Module) -> bool:
+    from moe_gmm.layers.experts import GroupedExperts
+
+    if isinstance(module, GroupedExperts) or getattr(module, "ep_shard", None) is not None:
+        return True
+    # transformers' experts modules, as set up by its use_experts_implementation decorator.
+    return hasattr(module, "has_gate") and hasattr(getattr(module, "config", None), "_experts_implementation")
+
+
+def describe_experts(model: torch.nn.Module) -> list[ExpertsDescription]:
+    """Every routed-experts module of ``model`` with its implementation and, when moe-gmm runs it,
+    the grouped-matmul backend of each projection for the weights' device, dtype and shape now.
+
+    Covers Hugging Face experts modules (``experts_implementation`` "moe_gmm" and any other),
+    moe-gmm's :class:`~moe_gmm.layers.GroupedExperts` and modules sharded by
+    :func:`moe_gmm.parallel.apply_expert_parallel`. ``str()`` of an entry is one readable line.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    from moe_gmm.layers.experts import GroupedExperts
+
+    out = []
+    for name, module in model.named_modules():
+        if not _is_experts_module(module):
+            continue
+        implementation, settings = _moe_gmm_settings(module)
+        backends: dict[str, str] = {}
+        if settings is not None:
+            if isinstance(module, GroupedExperts):
+                first, second, first_name = module.gate_up_proj, module.down_proj, "gate_up_proj"
+            else:
+                has_gate = getattr(module, "has_gate", True)
+                first_name = "gate_up_proj" if has_gate else "up_proj"
+                first, second = getattr(module, first_name), module.down_proj
+                shard = getattr(module, "ep_shard", None)
+                in_out = shard.layout.in_out if shard is not None else getattr(module, "is_transposed", False)
+                if not in_out:
+                    first, second = first.transpose(1, 2), second.transpose(1, 2)
+            for proj, weight in ((first_name, first), ("down_proj", second)):
+                backends[proj] = _backend_name(weight, settings["fused"], settings["backend"])
+        out.append(ExpertsDescription(name, implementation, backends))
+    return out
 
 
 # --------------------------------------------------------------------------------------------

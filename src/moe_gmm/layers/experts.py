@@ -164,7 +164,7 @@ class GroupedExperts(nn.Module):
             validate=False,  # bincount output: non-negative and sums to R by construction
         )
         with record_function("moe::unpermute"):
-            return unpermute(expert_out_RH, row_id_map_R, top_k_weights_Tk)
+            return unpermute(expert_out_RH, row_id_map_R, top_k_weights_Tk, validate=False)  # permute's own map
 
     def extra_repr(self) -> str:
         return (

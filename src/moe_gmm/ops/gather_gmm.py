@@ -246,7 +246,8 @@ def moe_mlp_gather_scatter(
         gate_up_EH2I: ``[E, H, 2I]`` (gate = first half of the columns); any strides.
         down_EIH: ``[E, I, H]``; any strides.
         validate: check that every id lies in ``[0, E)``; reads the ids on the host (a sync on an
-            accelerator), skipped under ``torch.compile``.
+            accelerator), skipped under ``torch.compile``. ``False`` means "you promise": the
+            range is then still checked on CPU, and on CUDA as an asynchronous device-side assert.
 
     Returns:
         ``[T, H]`` in ``hidden_TH``'s dtype. Runs on the triton backend (CUDA, or the interpreter).
@@ -277,10 +278,17 @@ def moe_mlp_gather_scatter(
             f"selected_experts_Tk and probs_Tk must both be [T, k] with T = {num_tokens}, "
             f"got {tuple(selected_experts_Tk.shape)} and {tuple(probs_Tk.shape)}"
         )
-    if validate and selected_experts_Tk.numel() and not torch.compiler.is_compiling():
-        lo, hi = int(selected_experts_Tk.min()), int(selected_experts_Tk.max())  # host sync
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"selected_experts_Tk must lie in [0, {num_experts}), got values in [{lo}, {hi}]")
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__} {validate!r}")
+    if selected_experts_Tk.numel() and not torch.compiler.is_compiling():
+        lo, hi = torch.aminmax(selected_experts_Tk)
+        if validate or selected_experts_Tk.device.type == "cpu":  # a host sync only where asked for or free
+            if int(lo) < 0 or int(hi) >= num_experts:
+                raise ValueError(
+                    f"selected_experts_Tk must lie in [0, {num_experts}), got values in [{int(lo)}, {int(hi)}]"
+                )
+        elif selected_experts_Tk.device.type == "cuda":  # an id out of range leaves rows unwritten; no sync
+            torch._assert_async((lo >= 0) & (hi < num_experts), "selected_experts_Tk out of [0, num_experts)")
     slot_of_row_R, token_of_row_R, group_ends_E = routing_rows(selected_experts_Tk, num_experts)
     h_R2I = gather_grouped_matmul(hidden_TH, gate_up_EH2I, group_ends_E, token_of_row_R, slot_of_row_R)
     a_RI = swiglu(h_R2I)

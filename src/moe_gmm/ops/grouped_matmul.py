@@ -36,7 +36,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 @torch.library.custom_op("moe_gmm::grouped_matmul", mutates_args=())
 def _grouped_matmul_op(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
-    return get_backend(backend).forward(x, weight, group_ends)
+    return get_backend(backend).run_forward(x, weight, group_ends)
 
 
 @_grouped_matmul_op.register_fake
@@ -46,7 +46,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: 
 
 @torch.library.custom_op("moe_gmm::grouped_matmul_grad_input", mutates_args=())
 def _grad_input_op(grad_out: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
-    return get_backend(backend).grad_input(grad_out, weight, group_ends)
+    return get_backend(backend).run_grad_input(grad_out, weight, group_ends)
 
 
 @_grad_input_op.register_fake
@@ -56,7 +56,7 @@ def _(grad_out: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, ba
 
 @torch.library.custom_op("moe_gmm::grouped_matmul_grad_weight", mutates_args=())
 def _grad_weight_op(x: torch.Tensor, grad_out: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
-    return get_backend(backend).grad_weight(x, grad_out, group_ends)
+    return get_backend(backend).run_grad_weight(x, grad_out, group_ends)
 
 
 @_grad_weight_op.register_fake
@@ -146,20 +146,35 @@ def normalize_group_list(
     """``group_list`` (counts or inclusive cumsum) as int64 inclusive row ends on ``device``.
 
     Raises ``TypeError`` for a non-integer group list and ``ValueError`` for a wrong length,
-    a negative count, a decreasing cumsum or a total other than ``num_rows``.
+    a count outside ``[0, num_rows]``, a cumsum value outside ``[0, num_rows]`` or decreasing, or a
+    total other than ``num_rows``. Each value is checked before anything is summed, so int64
+    overflow cannot make a wrong list pass.
+
+    ``validate=False`` means "you promise the values are right": the detailed check (a host sync
+    for an accelerator tensor) is skipped. The row ends are still checked (first >= 0,
+    non-decreasing, last == num_rows) so that no backend reads or leaves rows outside
+    ``[0, num_rows)``: on CPU as a ``ValueError``, on CUDA as an asynchronous device-side assert
+    (no host sync); not on other devices (whose support of that assert is unknown) and not under
+    ``torch.compile``.
     """
     if group_list_type not in _GROUP_LIST_TYPES:
         raise ValueError(f"group_list_type must be one of {_GROUP_LIST_TYPES}, got {group_list_type!r}")
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__} {validate!r}")
     if isinstance(group_list, torch.Tensor):
         if group_list.dtype not in _INDEX_DTYPES:
             raise TypeError(f"group_list must be an int32 or int64 tensor, got dtype {_dtype_name(group_list.dtype)}")
         if group_list.dim() != 1:
             raise ValueError(f"group_list must be 1-D, got shape {tuple(group_list.shape)}")
+        if group_list.device.type not in ("cpu", torch.device(device or "cpu").type):
+            raise ValueError(f"group_list must be on the CPU or on x's device {device}, got {group_list.device}")
         values = group_list
     elif isinstance(group_list, Sequence) and not isinstance(group_list, (str, bytes)):
         for i, v in enumerate(group_list):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"group_list[{i}] must be an int, got {type(v).__name__} {v!r}")
+            if not _INT64_MIN <= v <= _INT64_MAX:
+                raise ValueError(f"group_list[{i}] must lie in [0, x.shape[0] = {num_rows}], got {v}")
         values = torch.tensor(list(group_list), dtype=torch.int64)
     else:
         raise TypeError(f"group_list must be a 1-D integer tensor or a sequence of ints, got {type(group_list).__name__}")
@@ -168,10 +183,17 @@ def normalize_group_list(
             f"group_list must have one entry per expert: expected length {num_experts} "
             f"(weight.shape[0]), got {values.shape[0]}"
         )
-    if validate and not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if validate and not compiling:
         _check_group_values(values, num_rows=num_rows, group_list_type=group_list_type)
     values = values.to(device=device, dtype=torch.int64, non_blocking=True)
-    return torch.cumsum(values, 0) if group_list_type == "count" else values
+    group_ends = torch.cumsum(values, 0) if group_list_type == "count" else values
+    if not validate and not compiling:
+        _check_group_ends(group_ends, num_rows=num_rows)
+    return group_ends
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _check_group_values(values: torch.Tensor, *, num_rows: int, group_list_type: str) -> None:
@@ -180,16 +202,20 @@ def _check_group_values(values: torch.Tensor, *, num_rows: int, group_list_type:
     if host.numel() == 0:
         total = 0
     elif group_list_type == "count":
-        if bool((host < 0).any()):
-            bad = int(torch.nonzero(host < 0)[0, 0])
-            raise ValueError(f"group_list counts must be >= 0, got group_list[{bad}] = {int(host[bad])}")
-        total = int(host.sum())
+        # Each count in [0, M] before summing: counts near 2**62 would wrap the int64 sum to M.
+        outside = (host < 0) | (host > num_rows)
+        if bool(outside.any()):
+            bad = int(torch.nonzero(outside)[0, 0])
+            raise ValueError(
+                f"group_list counts must lie in [0, x.shape[0] = {num_rows}], got group_list[{bad}] = {int(host[bad])}"
+            )
+        total = sum(host.tolist())  # Python ints: exact whatever E * M is
     else:
         if int(host[0]) < 0:
             raise ValueError(f"group_list cumsum must start >= 0, got group_list[0] = {int(host[0])}")
-        steps = host[1:] - host[:-1]
-        if bool((steps < 0).any()):
-            bad = int(torch.nonzero(steps < 0)[0, 0]) + 1
+        steps_down = host[1:] < host[:-1]
+        if bool(steps_down.any()):
+            bad = int(torch.nonzero(steps_down)[0, 0]) + 1
             raise ValueError(
                 f"group_list cumsum must be non-decreasing, got group_list[{bad - 1}] = {int(host[bad - 1])} "
                 f"> group_list[{bad}] = {int(host[bad])}"
@@ -204,6 +230,24 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     # A DTensor exists only once torch.distributed.tensor is loaded; no import on the hot path.
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+def _check_group_ends(group_ends: torch.Tensor, *, num_rows: int) -> None:
+    """The row ends every backend relies on, without a host sync on an accelerator."""
+    if group_ends.numel() == 0:
+        return
+    # Non-decreasing ends from >= 0 to M also rule out a count that wrapped the int64 cumsum.
+    ok = (group_ends[0] >= 0) & (group_ends[-1] == num_rows) & (group_ends[1:] >= group_ends[:-1]).all()
+    if group_ends.device.type == "cuda":
+        torch._assert_async(ok, "group_list does not describe x's rows (validate=False skipped the detailed check)")
+    if group_ends.device.type != "cpu":
+        return
+    if not bool(ok):
+        shown = group_ends[:8].tolist()
+        raise ValueError(
+            f"group_list must be counts >= 0 summing to x.shape[0] = {num_rows} (validate=False skips only the "
+            f"detailed check); its row ends are {shown}{' ...' if group_ends.numel() > 8 else ''}"
+        )
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -257,9 +301,11 @@ def grouped_matmul(
         group_list_type: ``"count"`` (rows per expert) or ``"cumsum"`` (inclusive row ends).
         backend: force ``"eager"``, ``"torch"``, ``"triton"``, ``"npu"`` or a registered name;
             ``"auto"`` or None picks (``$MOE_GMM_BACKEND`` is consulted when None).
-        validate: check group_list values (non-negative, monotone, total == M). This reads the
-            values on the host, a sync when group_list lives on an accelerator; under
-            ``torch.compile`` the value checks are skipped (shape checks remain).
+        validate: check group_list values (each count or cumsum value in ``[0, M]``, monotone,
+            total == M). This reads the values on the host, a sync when group_list lives on an
+            accelerator; under ``torch.compile`` the value checks are skipped (shape checks
+            remain). ``False`` means "you promise the values are right"; the row ends are still
+            checked without a sync (see :func:`normalize_group_list`).
 
     Returns:
         ``[M, N]`` in the input dtype; products accumulate in float32 (float64 for float64).
@@ -267,6 +313,8 @@ def grouped_matmul(
     _check_operands(x, weight)
     if not isinstance(fused, bool):
         raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__} {backend!r}")
     if not fused:
         if backend not in (None, "eager"):
             raise ValueError(f"fused=False runs the eager reference; it conflicts with backend={backend!r}")

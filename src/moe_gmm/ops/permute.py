@@ -125,6 +125,9 @@ def _permute_op(
         return permuted_RH, row_id_map_R, tokens_per_expert_E
     top_k = selected_experts_Tk.shape[1]
     flat_ids_R = selected_experts_Tk.reshape(-1).to(torch.int64)
+    if flat_ids_R.device.type == "cpu" and flat_ids_R.numel() > 0:
+        # Whatever validate said: free on the host (elsewhere bincount refuses a negative id below).
+        _check_expert_ids(flat_ids_R, num_experts)
     # order_R[r] = flat (token, slot) index that lands on row r; stable sort keeps (token, slot)
     # order inside each expert. O(R log R) on device, no per-token Python work.
     order_R = torch.sort(flat_ids_R, stable=True).indices
@@ -132,6 +135,8 @@ def _permute_op(
     row_id_map_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)  # unique indices: no atomics
     permuted_RH = gather_rows(hidden_TH, torch.div(order_R, top_k, rounding_mode="floor"))
     tokens_per_expert_E = torch.bincount(flat_ids_R, minlength=num_experts)
+    if tokens_per_expert_E.shape[0] != num_experts:  # an id >= E under validate=False
+        raise ValueError(f"selected_experts_Tk ids must lie in [0, num_experts={num_experts})")
     return permuted_RH, row_id_map_R, tokens_per_expert_E
 
 
@@ -240,7 +245,8 @@ def _grad_expert_out(
     num_tokens, top_k = probs_Tk.shape
     hidden = grad_out_TH.shape[1]
     acc = _acc_dtype(dtype)
-    order_R = torch.empty_like(row_id_map_R)
+    # -1, not uninitialised memory, for a row no slot maps to: index_select then refuses it.
+    order_R = torch.full_like(row_id_map_R, -1)
     order_R[row_id_map_R] = torch.arange(row_id_map_R.numel(), device=row_id_map_R.device)
     token_of_row_R = torch.div(order_R, top_k, rounding_mode="floor")
     prob_of_row_R1 = probs_Tk.reshape(-1).index_select(0, order_R).to(acc).unsqueeze(-1)
@@ -312,6 +318,43 @@ def _check_index(name: str, t: torch.Tensor, dim: int, shape_doc: str) -> None:
         raise ValueError(f"{name} must be {dim}-D {shape_doc}, got shape {tuple(t.shape)}")
 
 
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _check_expert_ids(selected_experts_Tk: torch.Tensor, num_experts: int) -> None:
+    # Host sync on an accelerator: the id range is data.
+    lo, hi = (int(v) for v in torch.aminmax(selected_experts_Tk))
+    if lo < 0 or hi >= num_experts:
+        bad = lo if lo < 0 else hi
+        where = torch.nonzero(selected_experts_Tk == bad)[0].tolist()
+        raise ValueError(
+            f"selected_experts_Tk ids must lie in [0, num_experts={num_experts}), got {bad} at index {tuple(where)}"
+        )
+
+
+def _check_row_id_map(row_id_map_R: torch.Tensor, num_rows: int) -> None:
+    """Values in ``[0, R)`` and every row used once: what both ops index memory with."""
+    # Host syncs on an accelerator (validate=True asks for them): the map's values are data.
+    lo, hi = (int(v) for v in torch.aminmax(row_id_map_R))
+    if lo < 0 or hi >= num_rows:
+        outside = (row_id_map_R < 0) | (row_id_map_R >= num_rows)
+        bad = int(torch.nonzero(outside)[0, 0])
+        raise ValueError(
+            f"row_id_map_R values must lie in [0, R = {num_rows}) (rows of expert_out_RH), "
+            f"got row_id_map_R[{bad}] = {int(row_id_map_R[bad])}"
+        )
+    seen = torch.zeros(num_rows, dtype=torch.bool, device=row_id_map_R.device)
+    seen.index_fill_(0, row_id_map_R, True)
+    if not bool(seen.all()):
+        unused = int(torch.nonzero(~seen)[0, 0])
+        raise ValueError(
+            f"row_id_map_R must be a permutation of range({num_rows}) as returned by permute: row {unused} "
+            f"is never referenced, so another is referenced twice"
+        )
+
+
 def permute(
     hidden_TH: torch.Tensor,
     selected_experts_Tk: torch.Tensor,
@@ -326,9 +369,10 @@ def permute(
         selected_experts_Tk: ``[T, k]`` int32/int64 expert ids in ``[0, num_experts)``; duplicates
             within one token's top-k are legal (the token then gets two rows in that expert).
         num_experts: E, the number of experts (the length of ``tokens_per_expert``).
-        validate: check that every id lies in ``[0, E)``. This reads the ids on the host (a sync
-            on an accelerator); skipped under ``torch.compile``. Callers whose ids come from a
-            top-k over E experts may pass ``False``.
+        validate: check that every id lies in ``[0, E)`` (``ValueError``). This reads the ids on
+            the host (a sync on an accelerator); skipped under ``torch.compile``. ``False`` means
+            "you promise every id is in range": callers whose ids come from a top-k over E experts
+            may pass it. On CPU an id out of range is still refused (``ValueError``).
 
     Returns:
         ``permuted_RH`` ``[T*k, H]`` (rows grouped by expert ascending, stable in (token, slot)
@@ -338,8 +382,11 @@ def permute(
     """
     _check_float("hidden_TH", hidden_TH, 2, "[T, H]")
     _check_index("selected_experts_Tk", selected_experts_Tk, 2, "[T, k]")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+        raise TypeError(f"num_experts must be a positive int, got {type(num_experts).__name__} {num_experts!r}")
+    if num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    _check_flag("validate", validate)
     if selected_experts_Tk.shape[0] != hidden_TH.shape[0]:
         raise ValueError(
             f"selected_experts_Tk.shape[0] must equal hidden_TH.shape[0] (T): got {tuple(selected_experts_Tk.shape)} "
@@ -352,21 +399,32 @@ def permute(
             f"selected_experts_Tk must be on hidden_TH's device {hidden_TH.device}, got {selected_experts_Tk.device}"
         )
     if validate and not torch.compiler.is_compiling() and selected_experts_Tk.numel() > 0:
-        # Host sync on an accelerator: the id range is data.
-        lo, hi = int(selected_experts_Tk.min()), int(selected_experts_Tk.max())
-        if lo < 0 or hi >= num_experts:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"selected_experts_Tk ids must lie in [0, num_experts={num_experts}), got {bad}")
+        _check_expert_ids(selected_experts_Tk, num_experts)
     return _permute_op(hidden_TH, selected_experts_Tk, num_experts)
 
 
-def unpermute(expert_out_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_Tk: torch.Tensor) -> torch.Tensor:
+def unpermute(
+    expert_out_RH: torch.Tensor,
+    row_id_map_R: torch.Tensor,
+    probs_Tk: torch.Tensor,
+    *,
+    top_k: int | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
     """Combine expert outputs back into tokens: ``out[t] = sum_j probs[t, j] * expert_out[row_id_map[t*k + j]]``.
 
     Args:
         expert_out_RH: ``[T*k, H]`` floating tensor, rows in :func:`permute` order.
         row_id_map_R: ``[T*k]`` int64 map returned by :func:`permute`.
         probs_Tk: ``[T, k]`` floating routing weights (any float dtype; float32 is typical).
+        top_k: k, when known: ``probs_Tk`` must then have exactly k columns. Without it a
+            transposed ``[k, T]`` ``probs_Tk`` (same number of elements) cannot be told apart.
+        validate: check that ``row_id_map_R`` is a permutation of ``range(T*k)`` (``ValueError``).
+            This reads the map on the host (a sync on an accelerator); skipped under
+            ``torch.compile``. ``False`` means "you promise the map is permute's": callers that
+            pass permute's own map may use it. A value outside ``[0, T*k)`` is then still
+            refused, by the CPU kernels (``ValueError``) or by ``index_select`` on the torch path
+            (``IndexError``); a repeated value is not detected (rows of the result are then wrong).
 
     Returns:
         ``[T, H]`` in ``expert_out_RH.dtype``; the k-way sum accumulates in float32 (float64 for
@@ -376,8 +434,14 @@ def unpermute(expert_out_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_Tk:
     _check_float("expert_out_RH", expert_out_RH, 2, "[T*k, H]")
     _check_float("probs_Tk", probs_Tk, 2, "[T, k]")
     _check_index("row_id_map_R", row_id_map_R, 1, "[T*k]")
+    _check_flag("validate", validate)
     if row_id_map_R.dtype != torch.int64:
         raise TypeError(f"row_id_map_R must be int64 (as returned by permute), got {_dtype_name(row_id_map_R.dtype)}")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int):
+            raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__} {top_k!r}")
+        if probs_Tk.shape[1] != top_k:
+            raise ValueError(f"probs_Tk must be [T, k] with k = top_k = {top_k}, got shape {tuple(probs_Tk.shape)}")
     num_rows = probs_Tk.shape[0] * probs_Tk.shape[1]
     if row_id_map_R.shape[0] != num_rows or expert_out_RH.shape[0] != num_rows:
         raise ValueError(
@@ -390,4 +454,6 @@ def unpermute(expert_out_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_Tk:
     for name, t in (("row_id_map_R", row_id_map_R), ("probs_Tk", probs_Tk)):
         if t.device != expert_out_RH.device:
             raise ValueError(f"{name} must be on expert_out_RH's device {expert_out_RH.device}, got {t.device}")
+    if validate and not torch.compiler.is_compiling() and num_rows > 0:
+        _check_row_id_map(row_id_map_R, num_rows)
     return _unpermute_op(expert_out_RH, row_id_map_R, probs_Tk)

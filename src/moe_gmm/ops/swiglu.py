@@ -31,7 +31,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # Rows are processed ~1 MiB of float32 at a time: widening a whole [R, 2I] 16-bit activation to
 # float32 streams temporaries twice its size through memory several times per pass, while a chunk
-# stays in cache (see benchmarks/RESULTS.md).
+# stays in cache.
 _CHUNK_BYTES = 1 << 20
 
 

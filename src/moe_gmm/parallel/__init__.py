@@ -16,7 +16,12 @@ Typical use (every rank; ``torchrun --nproc-per-node dp*ep``)::
 Experts are DTensor ``Shard(0)`` on ``mesh["ep"]`` and FSDP over ``dp``; dense layers FSDP over all
 ranks; every reduction a sum, so the gradients equal one process on the concatenated batch.
 ``replicate_moe`` (same arguments and handle) keeps dense parameters whole under DDP.
+``par.optimizer(torch.optim.AdamW, lr=...)`` builds the optimizer on the sharded parameters.
 ``examples/ep_train.py`` runs it under torchrun.
+
+Guards (:mod:`moe_gmm.parallel.guards`): an optimizer over parameters that sharding replaced fails
+at its first ``step()`` (or ``check_optimizer(optimizer, model)``); ``verify_replicas(model, group)``
+(every N steps, at checkpoints) raises when replicas drifted apart.
 """
 
 from moe_gmm.parallel.apply import apply_expert_parallel, expert_parallel_modules
@@ -26,6 +31,7 @@ from moe_gmm.parallel.dcp import export_hf, import_hf, load_checkpoint, save_che
 from moe_gmm.parallel.ddp import replicate_moe
 from moe_gmm.parallel.dispatcher import AllToAllDispatcher, OverlappedAllToAllDispatcher
 from moe_gmm.parallel.fsdp import parallelize_moe
+from moe_gmm.parallel.guards import check_optimizer, verify_replicas
 from moe_gmm.parallel.mesh import MoeMesh, ParallelizedMoe
 from moe_gmm.parallel.plan import EPPlan
 
@@ -37,6 +43,7 @@ __all__ = [
     "OverlappedAllToAllDispatcher",
     "ParallelizedMoe",
     "apply_expert_parallel",
+    "check_optimizer",
     "clip_grad_norm_",
     "expert_parallel_modules",
     "export_hf",
@@ -45,4 +52,5 @@ __all__ = [
     "parallelize_moe",
     "replicate_moe",
     "save_checkpoint",
+    "verify_replicas",
 ]

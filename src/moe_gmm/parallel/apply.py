@@ -13,15 +13,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moe_gmm.ops.expert_mlp import expert_mlp
+from moe_gmm.integrations.support import expert_mlp_support, run_expert_mlp
 from moe_gmm.ops.weight_layout import pad_rows, row_padding
 from moe_gmm.parallel.comm import collective
 from moe_gmm.parallel.dispatcher import AllToAllDispatcher, OverlappedAllToAllDispatcher
+from moe_gmm.parallel.guards import record_replaced
 from moe_gmm.parallel.layout import EXPERT_PARAMS, ExpertShard, experts_layout
 from moe_gmm.parallel.plan import EPPlan
 from moe_gmm.parallel.verify import verify_same_setup
 
-__all__ = ["apply_expert_parallel", "expert_parallel_modules"]
+__all__ = ["apply_expert_parallel", "expert_parallel_modules", "expert_parameter_ids"]
 
 
 def _ep_forward(
@@ -33,9 +34,11 @@ def _ep_forward(
     if hasattr(self, "last_tokens_per_expert"):  # GroupedExperts' routing statistics: this rank's tokens
         self.last_tokens_per_expert = torch.bincount(top_k_index_Tk.detach().flatten(), minlength=layout.num_experts)
 
+    support = expert_mlp_support(self)
+
     def run_local_experts(x_SH: torch.Tensor, group_list_L: torch.Tensor) -> torch.Tensor:
-        return expert_mlp(
-            x_SH, group_list_L, gate_up_LH2I, down_LIH, fused=layout.fused, backend=layout.backend, validate=False
+        return run_expert_mlp(
+            self, support, x_SH, group_list_L, gate_up_LH2I, down_LIH, fused=layout.fused, backend=layout.backend
         )  # counts from bincount: non-negative and summing to S
 
     return self.ep_dispatcher(hidden_TH, top_k_index_Tk, top_k_weights_Tk, run_local_experts)
@@ -50,14 +53,18 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
     """Shard every experts module matched by ``plan`` along E over ``ep_group``; return their names.
 
     Rank r keeps the contiguous block of experts ``[r * E / ep, (r + 1) * E / ep)`` as plain
-    parameters (so build the optimizer afterwards) and the module's forward becomes the dispatcher
-    path with the same ``(hidden_TH, top_k_index_Tk, top_k_weights_Tk) -> out_TH`` signature and
-    global expert ids. Every other parameter stays whole (replicated); ``parallelize_moe`` and
-    ``replicate_moe`` call this and then set up the gradient reductions.
+    parameters (so build the optimizer afterwards: an earlier one fails at its first ``step()``,
+    see :func:`~moe_gmm.parallel.guards.check_optimizer`) and the module's forward becomes the
+    dispatcher path with the same ``(hidden_TH, top_k_index_Tk, top_k_weights_Tk) -> out_TH``
+    signature and global expert ids. Every other parameter stays whole (replicated): nothing here
+    keeps the replicas equal; ``parallelize_moe`` and ``replicate_moe`` call this and then set up
+    the gradient reductions, and :func:`~moe_gmm.parallel.guards.verify_replicas` proves the
+    replicas stayed equal (call it every N steps).
 
     Collective: every rank of ``ep_group`` must call it. Problems are gathered from all ranks and
     raised as one ``ValueError`` on every rank (never a hang): a pattern matching nothing or two
-    patterns on one module, a matched module that is not a routed-experts module, E not divisible
+    patterns on one module, a matched module that is not a routed-experts module or whose math
+    our expert MLP cannot run (:func:`~moe_gmm.integrations.support.expert_mlp_support`), E not divisible
     by the group size, ``plan.expert_parallel_size`` != group size, and models or plans that differ
     across ranks (E, top_k, sizes, dtype, plan, or any replicated tensor's bits: see
     :func:`~moe_gmm.parallel.verify.verify_same_setup`), naming the first difference and the ranks.
@@ -83,7 +90,14 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
             problems.append(f"module {name!r} is already expert-parallel")
             continue
         layout, why = experts_layout(module)
-        if layout is None:
+        support = expert_mlp_support(module)
+        if layout is None and not hasattr(module, "is_transposed"):
+            problems.append(
+                f"parallel.ep_plan.apply_modules matched {name!r}, which is not a routed-experts module: {why}"
+            )
+        elif not support.ok:  # an experts module whose math our expert MLP cannot run
+            problems.append(f"{name!r} cannot run on moe-gmm's expert MLP: {support.reason}")
+        elif layout is None:
             problems.append(
                 f"parallel.ep_plan.apply_modules matched {name!r}, which is not a routed-experts module: {why}"
             )
@@ -112,6 +126,7 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
             pad = row_padding(full)  # a padded layout (GroupedExperts(pad_weight_rows=True)) stays padded
             local = nn.Parameter(pad_rows(owned, pad) if pad else owned.clone(), requires_grad=full.requires_grad)
             setattr(module, pname, local)
+            record_replaced([(f"{name}.{pname}", full)], "apply_expert_parallel")
         # Experts modules get their ids from their block's top-k over E logits, so the range check
         # (a host sync per layer on an accelerator) is skipped unless the module asks for it.
         validate = bool(getattr(module, "validate_routing", False))
@@ -132,3 +147,8 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
 def expert_parallel_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The sharded experts modules of ``model`` by name."""
     return {n: m for n, m in model.named_modules() if getattr(m, "ep_shard", None) is not None}
+
+
+def expert_parameter_ids(model: nn.Module) -> set[int]:
+    """``id()`` of every sharded expert parameter of ``model``."""
+    return {id(getattr(m, p)) for m in expert_parallel_modules(model).values() for p in EXPERT_PARAMS}

@@ -182,7 +182,7 @@ class AllToAllDispatcher:
             y2_SH = y3_SH.index_select(0, chunk.inverse_order_S)
             y1_RH = all_to_all(y2_SH, chunk.input_splits, chunk.output_splits, self.group)
         with record_function("moe::unpermute"):
-            return unpermute(y1_RH, route.row_id_map_R, probs_Tk)
+            return unpermute(y1_RH, route.row_id_map_R, probs_Tk, validate=False)  # permute's own map
 
     def __call__(
         self, hidden_TH: torch.Tensor, ids_Tk: torch.Tensor, probs_Tk: torch.Tensor, expert_fn: ExpertFn
@@ -247,4 +247,4 @@ class OverlappedAllToAllDispatcher(AllToAllDispatcher):
         with record_function("moe::ep_combine"):
             y1_RH = torch.cat([h.wait() for h in combines])
         with record_function("moe::unpermute"):
-            return unpermute(y1_RH, route.row_id_map_R, probs_Tk)
+            return unpermute(y1_RH, route.row_id_map_R, probs_Tk, validate=False)  # permute's own map

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from moe_gmm.parallel.apply import apply_expert_parallel
+from moe_gmm.parallel.guards import record_replaced
 from moe_gmm.parallel.layout import EXPERT_PARAMS
 from moe_gmm.parallel.mesh import MoeMesh, ParallelizedMoe
 from moe_gmm.parallel.plan import EPPlan, match_modules
@@ -45,7 +46,7 @@ def decoder_layers(model: nn.Module, experts: Sequence[str], patterns: Sequence[
     if patterns is not None:
         if isinstance(patterns, str):
             raise TypeError(f"layers must be a list of patterns, got the single string {patterns!r}")
-        names = match_modules(modules, patterns)
+        names = match_modules(modules, patterns, experts=False)
     else:
         names = []
         for expert in experts[:1]:
@@ -132,6 +133,7 @@ def parallelize_moe(
             f"got {plan.expert_parallel_size}"
         )
     data_mesh = moe_mesh.data_mesh
+    before = list(model.named_parameters())
     # The whole mesh must start from one model: replicas that differ would never be reconciled.
     experts = match_and_verify(model, data_mesh.get_group(), plan, what="parallelize_moe")
     layer_names = decoder_layers(model, experts, layers)
@@ -148,4 +150,6 @@ def parallelize_moe(
     for name in layer_names:
         _sum_reductions(fully_shard(modules[name], mesh=data_mesh, **kwargs))
     _sum_reductions(fully_shard(model, mesh=data_mesh, **kwargs))
+    now = {id(p) for p in model.parameters()}
+    record_replaced([(n, p) for n, p in before if id(p) not in now], "parallelize_moe")
     return ParallelizedMoe(model=model, module=model, mesh=moe_mesh, experts=experts)

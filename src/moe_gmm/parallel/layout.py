@@ -80,10 +80,6 @@ class ExpertShard:
         return self.ep_rank * self.num_local_experts
 
 
-def _is_silu(act: object) -> bool:
-    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
-
-
 def experts_layout(module: nn.Module) -> tuple[ExpertsLayout | None, str]:
     """``(layout, "")`` for a routed-experts module, ``(None, reason)`` for anything else."""
     gate_up = getattr(module, "gate_up_proj", None)
@@ -112,27 +108,8 @@ def experts_layout(module: nn.Module) -> tuple[ExpertsLayout | None, str]:
             fused=module.use_grouped_expert_matmul,
             backend=module.backend if module.use_grouped_expert_matmul else None,
         ), ""
-    # A Hugging Face experts module (``@use_experts_implementation``): only the SwiGLU variant maps
-    # onto the grouped matmul + swiglu path.
+    # A Hugging Face experts module (``@use_experts_implementation``); whether our expert MLP can
+    # run its math is moe_gmm.integrations.support's rule, asked by apply_expert_parallel.
     if not hasattr(module, "is_transposed"):
         return None, f"{type(module).__name__} is neither GroupedExperts nor a Hugging Face experts module"
-    unsupported = [
-        what
-        for what, bad in (
-            ("has_gate=False", not getattr(module, "has_gate", True)),
-            ("has_bias=True", getattr(module, "has_bias", False)),
-            ("is_concatenated=False", not getattr(module, "is_concatenated", True)),
-            ("has_post_expert_norm=True", getattr(module, "has_post_expert_norm", False)),
-            (
-                f"act_fn={type(getattr(module, 'act_fn', None)).__name__} (SiLU needed)",
-                not _is_silu(getattr(module, "act_fn", None)),
-            ),
-        )
-        if bad
-    ]
-    if unsupported:
-        return (
-            None,
-            f"{type(module).__name__} uses {', '.join(unsupported)}; only [gate; up] SwiGLU experts are supported",
-        )
     return ExpertsLayout(num_experts, in_out=bool(module.is_transposed), hf_transpose=False), ""

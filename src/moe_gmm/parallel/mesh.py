@@ -15,8 +15,10 @@ then equal single-process training on the concatenated batch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,14 +85,24 @@ class ParallelizedMoe:
 
     ``model``: the module to call (the FSDP-wrapped model itself, or the ``DistributedDataParallel``
     wrapper); build the optimizer from ``model.parameters()`` afterwards (every parameter is a new
-    object). ``module``: the model without a DDP wrapper (the original parameter names).
-    ``experts``: the sharded experts modules' names.
+    object), or with :meth:`optimizer`. ``module``: the model without a DDP wrapper (the original
+    parameter names). ``experts``: the sharded experts modules' names.
     """
 
     model: nn.Module
     module: nn.Module
     mesh: MoeMesh
     experts: list[str]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters to optimize: the sharded ones, never those the model had before."""
+        return self.module.parameters()
+
+    def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
+        """``cls(self.parameters(), **kwargs)``, e.g. ``par.optimizer(torch.optim.AdamW, lr=1e-3)``."""
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise TypeError(f"cls must be a torch.optim.Optimizer subclass, got {cls!r}")
+        return cls(self.parameters(), **kwargs)
 
     def normalize_loss(self, loss_sum: torch.Tensor, num_tokens: int | torch.Tensor) -> torch.Tensor:
         """This rank's share of the global mean loss: ``loss_sum / (tokens summed over every data rank)``.

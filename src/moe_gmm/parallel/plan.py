@@ -22,6 +22,7 @@ dot, not "any character".
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ DISPATCHERS = ("alltoall", "alltoall_overlap")
 # One token of the pattern language: a brace group, a star, a question mark or one literal character.
 _TOKEN = re.compile(r"\{(?P<brace>[^{}]*)\}|(?P<star>\*)|(?P<any>\?)|(?P<lit>.)", re.DOTALL)
 _RANGE = re.compile(r"(?P<lo>\d+)-(?P<hi>\d+)")
+# A whole-number name component (a ModuleList index), shown as ``{*}`` in suggestions.
+_LAYER_INDEX = re.compile(r"(?<![^.])\d+(?![^.])")
+_SUGGESTIONS = 3
 
 
 @dataclass(frozen=True)
@@ -96,13 +100,33 @@ class ModulePattern:
         return True
 
 
-def match_modules(names: Iterable[str], patterns: Iterable[str | ModulePattern]) -> list[str]:
+def _is_experts_like(module: Any) -> bool:
+    """Holds the routed experts' two 3-D weights (what ``apply_expert_parallel`` can shard)."""
+    return all(getattr(getattr(module, p, None), "ndim", None) == 3 for p in ("gate_up_proj", "down_proj"))
+
+
+def _closest(pattern: str, names: list[str], modules: Mapping[str, Any] | None, experts: bool) -> str:
+    """The names nearest to a pattern that matched nothing, as patterns (layer indices as ``{*}``)."""
+    if experts and modules is not None:
+        names = [n for n in names if _is_experts_like(modules[n])]
+        if not names:
+            return "the model has no module with 3-D gate_up_proj and down_proj parameters (routed experts)"
+    general = list(dict.fromkeys(_LAYER_INDEX.sub("{*}", n) for n in names if n))
+    close = difflib.get_close_matches(pattern, general, n=_SUGGESTIONS, cutoff=0.0)
+    kind = "experts modules" if experts and modules is not None else "module names"
+    return f"closest {kind}: {', '.join(close)}" if close else "the model has no named modules"
+
+
+def match_modules(names: Iterable[str], patterns: Iterable[str | ModulePattern], *, experts: bool = True) -> list[str]:
     """The names matched by any of ``patterns``, in the order of ``names``.
 
     Raises ``ValueError`` when a pattern matches no name (a typo would otherwise silently leave the
-    model unsharded) or when two patterns match the same name (it would be sharded twice).
+    model unsharded) or when two patterns match the same name (it would be sharded twice). Given
+    ``named_modules()`` as a mapping, the error lists the closest experts modules (those with 3-D
+    ``gate_up_proj`` and ``down_proj``; any module with ``experts=False``).
     """
     compiled = [p if isinstance(p, ModulePattern) else ModulePattern.compile(p) for p in patterns]
+    modules = names if isinstance(names, Mapping) else None
     names = list(names)
     owner: dict[str, str] = {}
     for pat in compiled:
@@ -110,7 +134,7 @@ def match_modules(names: Iterable[str], patterns: Iterable[str | ModulePattern])
         if not hits:
             raise ValueError(
                 f"parallel.ep_plan.apply_modules: pattern {pat.text!r} matches no module "
-                f"(first module names: {names[:8]})"
+                f"({_closest(pat.text, names, modules, experts)})"
             )
         for n in hits:
             if n in owner:
@@ -192,4 +216,3 @@ class EPPlan:
             dispatcher=ep_plan.dispatcher,
             num_chunks=getattr(ep_plan, "num_chunks", 2),
         )
-

@@ -2,7 +2,8 @@
 
 A row carries the eager-path value, the fused-path value, what the numbers mean (``metric``), the
 limit they are held to, and whether the check passed. ``passed=None`` marks an informational row
-(a load statistic, a time) that has no pass/fail meaning; it never fails a run.
+(a load statistic, a time) that has no pass/fail meaning; it never fails a run. A time whose
+repeats spread wide (``details`` holding a spread with ``"noisy": True``) is shown as noisy.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class Row:
     @property
     def status(self) -> str:
         return "info" if self.passed is None else ("PASS" if self.passed else "FAIL")
+
+    @property
+    def noisy(self) -> bool:
+        """A timing row whose eager or fused repeats spread too wide to trust (see report.timing)."""
+        return any(isinstance(v, dict) and v.get("noisy") is True for v in self.details.values())
 
 
 def format_value(value: float | str | None) -> str:
@@ -83,13 +89,14 @@ class Report:
         return seen
 
     def to_dict(self) -> dict[str, Any]:
-        counts = {"pass": 0, "fail": 0, "info": 0}
+        counts = {"pass": 0, "fail": 0, "info": 0, "noisy": 0}
         for r in self.rows:
             counts[r.status.lower()] += 1
+            counts["noisy"] += r.noisy
         return {
             "title": self.title,
             "notes": self.notes,
             "meta": self.meta,
             "summary": {"ok": self.ok, **counts},
-            "rows": [{**asdict(r), "status": r.status} for r in self.rows],
+            "rows": [{**asdict(r), "status": r.status, "noisy": r.noisy} for r in self.rows],
         }

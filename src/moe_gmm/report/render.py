@@ -14,6 +14,11 @@ __all__ = ["render_terminal", "to_json", "to_markdown", "wide_console", "write_r
 _COLUMNS = ("check", "metric", "eager", "fused", "tolerance", "result", "notes")
 
 
+def _result(row) -> str:
+    # A time is never pass/fail; a noisy one says so where the eye looks for a verdict.
+    return "info, NOISY" if row.noisy else row.status
+
+
 def _cells(row) -> list[str]:
     return [
         row.check,
@@ -21,9 +26,14 @@ def _cells(row) -> list[str]:
         format_value(row.eager),
         format_value(row.fused),
         format_value(row.tolerance),
-        row.status,
+        _result(row),
         row.notes,
     ]
+
+
+def _counts(summary: dict) -> str:
+    noisy = f", {summary['noisy']} noisy timing(s)" if summary["noisy"] else ""
+    return f"{summary['pass']} pass, {summary['fail']} fail, {summary['info']} info{noisy}"
 
 
 def _meta_line(report: Report) -> str:
@@ -46,7 +56,7 @@ def to_markdown(report: Report) -> str:
         lines.append("")
     summary = report.to_dict()["summary"]
     verdict = "all checks pass" if report.ok else f"{summary['fail']} check(s) FAILED"
-    lines.append(f"**{verdict}** ({summary['pass']} pass, {summary['fail']} fail, {summary['info']} info)")
+    lines.append(f"**{verdict}** ({_counts(summary)})")
     return "\n".join(lines) + "\n"
 
 
@@ -65,11 +75,20 @@ def to_json(report: Report) -> str:
     return json.dumps(_jsonable(report.to_dict()), indent=2, allow_nan=False) + "\n"
 
 
-def wide_console():
-    """A rich console; piped output (CI logs, files) gets 200 columns instead of 80 folded ones."""
+# Piped output (CI logs, files) is read in an editor or a browser that scrolls sideways: rich's
+# 80-column default would fold every wide table, so lines there are as long as their content.
+_PIPED_WIDTH = 10_000
+
+
+def wide_console(**kwargs: Any):
+    """A rich console (``kwargs`` go to ``rich.console.Console``): the terminal's width on a terminal,
+    else wide enough that no table folds a cell."""
     from rich.console import Console
 
-    return Console(width=None if Console().is_terminal else 200)
+    console = Console(**kwargs)
+    if console.is_terminal or "width" in kwargs:
+        return console
+    return Console(width=_PIPED_WIDTH, **kwargs)
 
 
 def render_terminal(report: Report, console=None) -> None:
@@ -89,12 +108,12 @@ def render_terminal(report: Report, console=None) -> None:
         for row in report.rows:
             if row.section == section:
                 cells = _cells(row)
-                cells[5] = f"[{style[row.status]}]{row.status}[/]"
+                cells[5] = f"[{'yellow' if row.noisy else style[row.status]}]{cells[5]}[/]"
                 table.add_row(*cells)
         console.print(table)
     summary = report.to_dict()["summary"]
     if report.ok:
-        console.print(f"[green]all checks pass[/] ({summary['pass']} pass, {summary['info']} info)")
+        console.print(f"[green]all checks pass[/] ({_counts(summary)})")
     else:
         console.print(f"[bold red]{summary['fail']} check(s) FAILED[/]: " + "; ".join(r.check for r in report.failures))
 

@@ -28,6 +28,7 @@ import torch
 from moe_gmm._validation import writable_directory
 from moe_gmm.checksum import CheckpointError
 from moe_gmm.config import ConfigError, RunConfig, load_config
+from moe_gmm.integrations.transformers import describe_experts
 from moe_gmm.parallel.mesh import ParallelizedMoe
 from moe_gmm.report.distributed import (
     Runtime,
@@ -153,7 +154,11 @@ def synthetic_batch(cfg: RunConfig, step: int) -> torch.Tensor:
 
 
 def _optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+    from moe_gmm.parallel.guards import check_optimizer
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+    check_optimizer(opt, model)
+    return opt
 
 
 @dataclass
@@ -166,6 +171,7 @@ class _Run:
     dtype: torch.dtype
     out: Path
     init_state: dict[str, torch.Tensor]
+    experts: dict[str, list] = field(default_factory=dict)  # path -> describe_experts(model), for the report
 
     def model(self, path: str, state: dict | None = None) -> tuple[torch.nn.Module, ParallelizedMoe | None]:
         """The model for ``path`` from ``init.pt``, parallelized on the mesh, then ``state`` loaded."""
@@ -241,6 +247,7 @@ def _resume_state(run: _Run, path: str, steps: int) -> dict:
 
 def _run_path(run: _Run, path: str, steps: int, state: dict | None, progress, profile_steps: int) -> tuple:
     model, par = run.model(path)
+    run.experts[path] = describe_experts(model)
     opt = _optimizer(run.cfg, model)
     ckpt_path = run.checkpoint(path)
     losses: list[float] = []
@@ -268,6 +275,10 @@ def _run_path(run: _Run, path: str, steps: int, state: dict | None, progress, pr
         step_ms.append((time.perf_counter() - start) * 1e3)
         progress.update(task, advance=1, description=f"train {path} loss {losses[-1]:.4f}")
         if (every and step % every == 0) or step == steps:
+            if run.rt.distributed:  # what every rank holds whole (buffers) must not have drifted apart
+                from moe_gmm.parallel.guards import verify_replicas
+
+                verify_replicas(model, None, what=f"train {path} at step {step}")
             _save(run, ckpt_path, model, opt, step, losses, step_ms)
     if not profile_steps:
         return losses, step_ms, {}
@@ -332,7 +343,7 @@ def run_training(
             for path in paths:
                 state = states.pop(path)
                 losses[path], step_ms[path], phases[path] = _run_path(run, path, steps, state, progress, profile_steps)
-        report, max_diff = loss_report(cfg, losses, step_ms, phases, run.dtype, rt.world)
+        report, max_diff = loss_report(cfg, losses, step_ms, phases, run.dtype, rt.world, run.experts)
         files: dict[str, Path] = {}
         if rt.is_main:
             files = write_outputs(report, out, losses, step_ms)

@@ -1,8 +1,9 @@
 """What ``moe-gmm train`` writes: the loss-alignment report, ``losses.csv`` and ``losses.png``.
 
 The report judges one thing, the fused path's loss against the eager path's, step by step, with
-the dtype's tolerance (``|fused - eager| <= atol + rtol |eager|``); losses must also fall. Times
-are informational.
+the dtype's tolerance (``|fused - eager| <= atol + rtol |eager|``); losses must also fall. It names
+each experts module's implementation and grouped-matmul backend on both paths. Times are
+informational, each with its repeats, spread and a NOISY flag (:mod:`moe_gmm.report.timing`).
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import csv
 import importlib.util
 import math
-import statistics
+import re
 from pathlib import Path
 
 import torch
 
 from moe_gmm.config import RunConfig
 from moe_gmm.report.model import Report, Row
+from moe_gmm.report.timing import PROFILED_STEP, TIMING_NOTE, Spread, spread_notes
 from moe_gmm.testing import tolerance_for
 
 __all__ = ["loss_report", "write_outputs"]
@@ -52,7 +54,11 @@ def _write_csv(path: Path, losses: dict[str, list[float]], step_ms: dict[str, li
     return path
 
 
-def loss_report(cfg: RunConfig, losses, step_ms, phases, dtype, world: int) -> tuple[Report, float | None]:
+def loss_report(
+    cfg: RunConfig, losses, step_ms, phases, dtype, world: int, experts=None
+) -> tuple[Report, float | None]:
+    """The report: loss rows, then (``experts``: ``{path: describe_experts(model)}``) each experts
+    module's implementation and backend per path, then the times with their spread."""
     tol = tolerance_for(dtype)
     report = Report(
         title="moe-gmm train: fused vs eager loss alignment",
@@ -106,40 +112,101 @@ def loss_report(cfg: RunConfig, losses, step_ms, phases, dtype, world: int) -> t
                 details={"per_step": diffs},
             )
         )
-    sec = "time (ms per step)"
-    get_ms = lambda p: statistics.median(step_ms[p]) if p in step_ms else None
-    report.add(
-        Row(
-            sec,
-            "training step (median)",
-            "ms",
-            get_ms("eager"),
-            get_ms("fused"),
-            None,
-            None,
-            "whole model: forward, loss, backward, clip, AdamW",
+    if experts:
+        _experts_rows(report, experts)
+    _time_rows(report, step_ms, phases)
+    return report, max_diff
+
+
+def _index_ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _experts_rows(report: Report, experts) -> None:
+    """One row per group of experts modules that differ only by a layer index and run alike."""
+    by_name: dict[str, dict[str, str]] = {}
+    for path, descriptions in experts.items():
+        for d in descriptions:
+            by_name.setdefault(d.name, {})[path] = f"{d.implementation}: {d.backend}"
+    groups: dict[tuple, list[int | None]] = {}
+    for name, per_path in by_name.items():
+        match = re.search(r"\.(\d+)\.", name)
+        pattern = name[: match.start(1)] + "*" + name[match.end(1) :] if match else name
+        key = (pattern, per_path.get("eager"), per_path.get("fused"))
+        groups.setdefault(key, []).append(int(match.group(1)) if match else None)
+    for (pattern, eager, fused), indices in groups.items():
+        numbered = [i for i in indices if i is not None]
+        check = pattern.replace("*", f"{{{_index_ranges(numbered)}}}") if numbered else pattern
+        note = f"{len(indices)} module(s)" + ("; implementation: grouped-matmul backend" if fused or eager else "")
+        report.add(Row("experts (implementation: backend)", check, "runs on", eager, fused, None, None, note))
+
+
+def _step_spread(ms: list[float]) -> tuple[Spread, float | None]:
+    # Step 1 holds first-call work (allocation, kernel builds and loads): left out of the spread.
+    if len(ms) > 1:
+        return Spread.of(ms[1:]), ms[0]
+    return Spread.of(ms), None
+
+
+def _time_rows(report: Report, step_ms, phases) -> None:
+    sec = "time (ms per step; information, never pass/fail)"
+    steps = {p: _step_spread(v) for p, v in step_ms.items() if v}
+    if steps:
+        spreads = {p: sp for p, (sp, _) in steps.items()}
+        firsts = [f"{p} {first:.3g} ms" for p, (_, first) in steps.items() if first is not None]
+        counts = sorted({sp.repeats for sp in spreads.values()})
+        notes = spread_notes(spreads.get("eager"), spreads.get("fused"))
+        notes += "; whole model: forward, loss, backward, clip, AdamW"
+        if firsts:
+            notes += "; step 1 left out (first-call work): " + ", ".join(firsts)
+        report.add(
+            Row(
+                sec,
+                "training step",
+                f"ms, median of {'/'.join(map(str, counts))} steps",
+                spreads["eager"].median if "eager" in spreads else None,
+                spreads["fused"].median if "fused" in spreads else None,
+                None,
+                None,
+                notes,
+                {p: sp.as_dict() for p, sp in spreads.items()},
+            )
         )
-    )
     notes = {
         "gmm": "the two expert matmuls of every MoE layer, fwd+bwd",
         "permute/unpermute": "token permute/unpermute of every MoE layer, fwd+bwd",
         "host": "Python, checks and dispatch outside aten kernels (whole model) + host syncs",
+        PROFILED_STEP: "wall time of the profiled steps the rows above are from",
     }
     for key, note in notes.items():
-        if any(key in ph for ph in phases.values()):
-            report.add(
-                Row(
-                    sec,
-                    f"{key} (profiler, per step)",
-                    "ms",
-                    phases.get("eager", {}).get(key),
-                    phases.get("fused", {}).get(key),
-                    None,
-                    None,
-                    note,
-                )
+        found = {p: ph.spreads[key] for p, ph in phases.items() if key in getattr(ph, "spreads", {})}
+        if not found:
+            continue
+        counts = sorted({sp.repeats for sp in found.values()})
+        report.add(
+            Row(
+                sec,
+                f"{key} (profiler)",
+                f"ms, median of {'/'.join(map(str, counts))} profiled steps",
+                found["eager"].median if "eager" in found else None,
+                found["fused"].median if "fused" in found else None,
+                None,
+                None,
+                f"{spread_notes(found.get('eager'), found.get('fused'))}; {note}",
+                {p: sp.as_dict() for p, sp in found.items()},
             )
-    return report, max_diff
+        )
+    if steps or any(phases.values()):
+        report.notes.append(
+            TIMING_NOTE + " The training step is timed apart from the profiled steps, which the profiler lengthens."
+        )
 
 
 def _finite(v: float) -> bool:

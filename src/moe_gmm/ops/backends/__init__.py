@@ -3,22 +3,32 @@
 ``auto`` walks a per-device priority list and takes the first backend that accepts the inputs;
 when none does, the error lists every backend with the reason it was refused. An explicit
 ``backend=`` beats the ``MOE_GMM_BACKEND`` environment variable, which beats ``auto``.
+
+Each distinct choice (device, dtype, weight shape, what was asked, what was picked) is logged once
+at INFO on the ``moe_gmm`` logger (``MOE_GMM_LOG=info`` shows it); :func:`explain` returns the
+choice with every backend's reason as a :class:`BackendChoice`.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from moe_gmm.log import logger
 from moe_gmm.ops.backends.base import GmmBackend
 
 __all__ = [
     "AUTO_PRIORITY",
     "BACKEND_ENV_VAR",
+    "BackendChoice",
     "GmmBackend",
     "available_backends",
+    "explain",
     "get_backend",
     "register_backend",
     "registered_backends",
@@ -105,18 +115,55 @@ def available_backends() -> list[str]:
     return sorted(name for name, b in _registry.items() if b.unavailable_reason() is None)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _requested(name: str | None) -> tuple[str, str]:
+    """(the name asked for, who asked: the argument, the environment or nobody)."""
+    if name is not None:
+        return name, "argument"
+    from_env = os.environ.get(BACKEND_ENV_VAR)
+    return (from_env, f"${BACKEND_ENV_VAR}") if from_env else ("auto", "default")
+
+
+# (device, dtype, weight shape, asked, picked) already logged: one line per layer shape, not per call.
+_logged_choices: set[tuple] = set()
+
+
+def _log_choice(x_MK: torch.Tensor, w_EKN: torch.Tensor, asked: str, picked: str, refusals: list[str]) -> None:
+    # Under torch.compile the choice is made while tracing; a log call there would break the graph.
+    if torch.compiler.is_compiling() or not logger.isEnabledFor(logging.INFO):
+        return
+    key = (str(x_MK.device), x_MK.dtype, tuple(w_EKN.shape), asked, picked)
+    if key in _logged_choices:
+        return
+    _logged_choices.add(key)
+    why = "named" if asked != "auto" else "auto"
+    if refusals:
+        why += "; refused before it: " + "; ".join(refusals)
+    logger.info(
+        "grouped_matmul on %s %s, weight %s: backend %r (%s)",
+        x_MK.device,
+        _dtype_name(x_MK.dtype),
+        list(w_EKN.shape),
+        picked,
+        why,
+    )
+
+
 def select_backend(x_MK: torch.Tensor, w_EKN: torch.Tensor, name: str | None = None) -> GmmBackend:
     """The backend to run ``x_MK @ w_EKN`` on: ``name`` if given, else ``$MOE_GMM_BACKEND``, else auto."""
     _load_builtins()
-    if name is None:
-        name = os.environ.get(BACKEND_ENV_VAR) or "auto"
+    name, _ = _requested(name)
     if name != "auto":
         backend = get_backend(name)
-        reason = backend.refusal(x_MK, w_EKN)
+        reason = backend.op_refusal(x_MK, w_EKN)
         if reason is not None:
             raise ValueError(
                 f"backend={name!r} cannot run these inputs: {reason}; available here: {available_backends()}"
             )
+        _log_choice(x_MK, w_EKN, name, backend.name, [])
         return backend
     priority = AUTO_PRIORITY.get(x_MK.device.type, _DEFAULT_PRIORITY)
     refusals = []
@@ -125,10 +172,100 @@ def select_backend(x_MK: torch.Tensor, w_EKN: torch.Tensor, name: str | None = N
         if backend is None:
             refusals.append(f"{candidate}: not registered")
             continue
-        reason = backend.refusal(x_MK, w_EKN)
+        reason = backend.op_refusal(x_MK, w_EKN)
         if reason is None:
+            _log_choice(x_MK, w_EKN, name, backend.name, refusals)
             return backend
         refusals.append(f"{candidate}: {reason}")
     raise ValueError(
         f"no grouped-matmul backend accepts device={x_MK.device.type}, dtype={x_MK.dtype}: " + "; ".join(refusals)
+    )
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """Which grouped-matmul backend runs given inputs, and what every registered backend says to them.
+
+    ``candidates`` maps each backend name to its refusal reason (None: it accepts the inputs), in
+    the order ``auto`` tries them on this device, then the backends ``auto`` never tries there.
+    """
+
+    backend: str | None  # the backend that runs; None when the one asked for, or every candidate, refuses
+    requested: str  # "auto" or the name asked for
+    source: str  # who asked: "argument", "$MOE_GMM_BACKEND" or "default"
+    device: str
+    dtype: str
+    weight_shape: tuple[int, ...]
+    auto_order: tuple[str, ...]
+    candidates: dict[str, str | None]
+
+    @property
+    def refusals(self) -> dict[str, str]:
+        """``{name: reason}`` of every backend that cannot run these inputs."""
+        return {name: reason for name, reason in self.candidates.items() if reason is not None}
+
+    def __str__(self) -> str:
+        where = f"grouped_matmul on {self.device} {self.dtype}, weight {list(self.weight_shape)}"
+        if self.requested == "auto":
+            how = f"auto, first to accept of {', '.join(self.auto_order)}"
+        else:
+            how = f"{self.requested!r} named by the {'argument' if self.source == 'argument' else self.source}"
+        head = f"{where}: backend {self.backend!r} ({how})" if self.backend else f"{where}: no backend runs ({how})"
+        width = max(map(len, self.candidates), default=0)
+        lines = [head]
+        for name, reason in self.candidates.items():
+            if name == self.backend:
+                verdict = "runs"
+            elif reason is not None:
+                verdict = f"refuses: {reason}"
+            elif self.requested != "auto":
+                verdict = "accepts (not asked for)"
+            elif name in self.auto_order:
+                verdict = "accepts (later in the auto order)"
+            else:
+                verdict = f"accepts (auto never tries it on {self.device.split(':')[0]})"
+            lines.append(f"  {name:<{width}}  {verdict}")
+        return "\n".join(lines)
+
+
+def explain(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_list: torch.Tensor | Sequence[int] | None = None,
+    *,
+    backend: str | None = None,
+) -> BackendChoice:
+    """Which backend ``grouped_matmul(x, weight, group_list, backend=backend)`` runs on, and why the
+    others do not; ``str()`` of the result is a readable table.
+
+    Checks the operands (and ``group_list`` when given) as :func:`~moe_gmm.grouped_matmul` does and
+    raises the same errors; a backend refusing the inputs is reported, not raised.
+    """
+    from moe_gmm.ops.grouped_matmul import _check_operands, normalize_group_list
+
+    _check_operands(x, weight)
+    if group_list is not None:
+        normalize_group_list(group_list, num_experts=weight.shape[0], num_rows=x.shape[0], device=x.device)
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    _load_builtins()
+    requested, source = _requested(backend)
+    if requested != "auto":
+        get_backend(requested)  # an unknown name is an error, as in grouped_matmul
+    order = AUTO_PRIORITY.get(x.device.type, _DEFAULT_PRIORITY)
+    names = [n for n in order if n in _registry] + sorted(n for n in _registry if n not in order)
+    candidates = {name: _registry[name].refusal(x, weight) for name in names}
+    if requested == "auto":
+        chosen = next((name for name in names if name in order and candidates[name] is None), None)
+    else:
+        chosen = requested if candidates[requested] is None else None
+    return BackendChoice(
+        backend=chosen,
+        requested=requested,
+        source=source,
+        device=str(x.device),
+        dtype=_dtype_name(x.dtype),
+        weight_shape=tuple(weight.shape),
+        auto_order=tuple(n for n in order if n in _registry),
+        candidates=candidates,
     )

@@ -11,12 +11,16 @@ unless its kernel cannot read that layout, and must say so in ``notes``.
 Every backend returns freshly computed tensors and guarantees:
 - every output element is written (no uninitialised rows);
 - ``grad_weight`` of an expert with zero rows is exactly zero.
+
+The ops call a backend through ``run_forward`` / ``run_grad_input`` / ``run_grad_weight``: an empty
+problem (M, K or N of 0) is answered there without the kernel, and every result is checked against
+the shape, dtype and device the op promises (metadata only: no sync, so it is always on).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -73,6 +77,57 @@ class GmmBackend:
         if self.input_refusal is not None:
             return self.input_refusal(x_MK, w_EKN)
         return None
+
+    def op_refusal(self, x_MK: torch.Tensor, w_EKN: torch.Tensor) -> str | None:
+        """Why the ops cannot run these inputs here: :meth:`refusal`, less the kernel's shape limits
+        for an empty problem, which the run_* methods answer without the kernel."""
+        if not _degenerate(x_MK.shape[0], *w_EKN.shape[1:]):
+            return self.refusal(x_MK, w_EKN)
+        return replace(self, input_refusal=None).refusal(x_MK, w_EKN)
+
+    def run_forward(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
+        """``forward`` with empty problems answered here and the result checked."""
+        shape = (x_MK.shape[0], w_EKN.shape[2])
+        if _degenerate(*shape, x_MK.shape[1]):
+            return _empty_result(shape, x_MK, reduced=x_MK.shape[1])
+        return self._checked("forward", self.forward(x_MK, w_EKN, group_ends_E), shape, x_MK)
+
+    def run_grad_input(self, dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
+        """``grad_input`` with empty problems answered here and the result checked."""
+        shape = (dy_MN.shape[0], w_EKN.shape[1])
+        if _degenerate(*shape, dy_MN.shape[1]):
+            return _empty_result(shape, dy_MN, reduced=dy_MN.shape[1])
+        return self._checked("grad_input", self.grad_input(dy_MN, w_EKN, group_ends_E), shape, dy_MN)
+
+    def run_grad_weight(self, x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:
+        """``grad_weight`` with empty problems answered here and the result checked."""
+        shape = (group_ends_E.shape[0], x_MK.shape[1], dy_MN.shape[1])
+        if _degenerate(x_MK.shape[0], *shape[1:]):
+            return _empty_result(shape, x_MK, reduced=x_MK.shape[0])
+        return self._checked("grad_weight", self.grad_weight(x_MK, dy_MN, group_ends_E), shape, x_MK)
+
+    def _checked(self, what: str, out: object, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        # A wrong result would otherwise travel on unnoticed: the fake kernel promised this shape.
+        expected = f"a {str(like.dtype).removeprefix('torch.')} tensor of shape {shape} on {like.device}"
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"backend {self.name!r} {what} returned {type(out).__name__}, expected {expected}")
+        if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device:
+            raise RuntimeError(
+                f"backend {self.name!r} {what} returned a {str(out.dtype).removeprefix('torch.')} tensor of "
+                f"shape {tuple(out.shape)} on {out.device}, expected {expected}"
+            )
+        return out
+
+
+def _degenerate(*sizes: int) -> bool:
+    return 0 in sizes
+
+
+def _empty_result(shape: tuple[int, ...], like: torch.Tensor, *, reduced: int) -> torch.Tensor:
+    """The result of a product with a zero-sized dimension: empty, or zeros when only the reduced one is."""
+    if reduced == 0 and 0 not in shape:
+        return like.new_zeros(shape)
+    return like.new_empty(shape)
 
 
 def counts_from_ends(group_ends_E: torch.Tensor) -> torch.Tensor:

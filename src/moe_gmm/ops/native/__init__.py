@@ -4,7 +4,9 @@ SwiGLU) and, on CPUs with AMX, the bfloat16 grouped GEMM itself.
 ``kernels.cpp`` holds the glue kernels and ``grouped_gemm_amx.cpp`` the AMX GEMM (read their
 headers for what each computes). They are compiled on first use with the system C++ compiler against the installed torch into a per-user cache, then loaded
 with ``torch.ops.load_library``; ``make setup`` builds it once up front
-(``python -m moe_gmm.ops.native``). A build takes a few seconds; the library is keyed by the
+(``python -m moe_gmm.ops.native``). Compiling takes a while, so a build reports itself on stderr
+and the ``moe_gmm`` logger: a line before, elapsed time while it runs, a line after with the time
+taken; loading a cached library says nothing. The library is keyed by the
 source, the torch version, the compiler and the CPU, so a change to any of them rebuilds it.
 
 Without a working compiler the ops fall back to their composed torch paths, which compute the same
@@ -21,17 +23,21 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
+
+from moe_gmm.log import logger, shows
 
 __all__ = [
     "available",
@@ -133,29 +139,87 @@ def _cache_dir() -> Path:
     return Path(override) if override else Path.home() / ".cache" / "moe_gmm" / "native"
 
 
-def library_path(cxx: str | None = None) -> Path:
-    """Where the library for this source, torch, compiler ``cxx`` and CPU lives (built or not)."""
+def library_path(cxx: str | None = None, sources: Sequence[Path] = SOURCES) -> Path:
+    """Where the library of ``sources`` for this torch, compiler ``cxx`` and CPU lives (built or not)."""
     cxx = cxx or compiler() or "none"
     key = hashlib.sha256()
-    sources = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
-    for part in (*sources, torch.__version__.encode(), cxx.encode(), _cpu_signature().encode()):
+    texts = [source.read_bytes() for source in (*sources, *HEADERS)]
+    for part in (*texts, torch.__version__.encode(), cxx.encode(), _cpu_signature().encode()):
         key.update(part)
         key.update(b"\0")
     key.update(" ".join(_flags()).encode())
     return _cache_dir() / f"moe_gmm_native_{key.hexdigest()[:16]}.so"
 
 
-def build(*, force: bool = False) -> Path:
-    """Compile the sources into the cache (unless already there) and return the library's path.
+_PROGRESS_AFTER_S = 2.0  # shorter builds need no progress indicator
+_PLAIN_PROGRESS_EVERY_S = 15.0  # piped stderr (CI logs): a line now and then, not one per second
 
+
+def _announce(message: str) -> None:
+    """``message`` on the ``moe_gmm`` logger at INFO, and on stderr when no handler would show it:
+    a build pauses the first call for a while and must not do so silently."""
+    logger.info(message)
+    if not shows(logging.INFO):
+        print(f"moe_gmm: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _build_progress() -> Iterator[Callable[[], float]]:
+    """Elapsed seconds on stderr while the block runs: a rewritten line on a terminal, else a plain
+    line every ``_PLAIN_PROGRESS_EVERY_S``; nothing for a block shorter than ``_PROGRESS_AFTER_S``.
+    Yields the elapsed-seconds clock."""
+    start = time.perf_counter()
+    elapsed = lambda: time.perf_counter() - start
+    done = threading.Event()
+    # A replaced stderr (a progress display's proxy, a capture) buffers lines: rewriting one in place
+    # would print a line per tick there, so it gets the plain lines.
+    tty = sys.stderr is sys.__stderr__ and sys.stderr.isatty()
+    drawn = []
+
+    def tick() -> None:
+        if done.wait(_PROGRESS_AFTER_S):
+            return
+        while True:
+            text = f"moe_gmm: compiling the native CPU kernels, {elapsed():.0f} s so far"
+            sys.stderr.write(f"\r{text}\033[K" if tty else text + "\n")
+            sys.stderr.flush()
+            drawn.append(True)
+            if done.wait(1.0 if tty else _PLAIN_PROGRESS_EVERY_S):
+                return
+
+    thread = threading.Thread(target=tick, name="moe_gmm-native-build-progress", daemon=True)
+    thread.start()
+    try:
+        yield elapsed
+    finally:
+        done.set()
+        thread.join()
+        if tty and drawn:  # leave the terminal line clean for what follows
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def build(*, force: bool = False, sources: Sequence[Path] = SOURCES) -> Path:
+    """Compile ``sources`` (default: every kernel file) into the cache, unless already there, and
+    return the library's path.
+
+    A compilation is reported (see the module docstring); a cached library is returned silently.
     Concurrent builders (several processes of a distributed job) each compile to a private file and
     rename it into place, so a reader never sees a partial library. Raises ``RuntimeError`` with
     the compiler's output when the build fails.
     """
+    if isinstance(sources, (str, Path)):
+        raise TypeError(f"sources must be a sequence of paths, got the single path {str(sources)!r}")
+    sources = tuple(Path(source) for source in sources)
+    if not sources:
+        raise ValueError("sources must name at least one C++ file, got none")
+    missing = [str(source) for source in sources if not source.is_file()]
+    if missing:
+        raise ValueError(f"sources must be existing files, got missing {missing}")
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    target = library_path(cxx)
+    target = library_path(cxx, sources)
     if target.exists() and not force:
         return target
     try:
@@ -167,17 +231,24 @@ def build(*, force: bool = False) -> Path:
         target = fallback / target.name
         if target.exists() and not force:
             return target
+    names = ", ".join(source.name for source in sources)
+    _announce(
+        f"compiling the native CPU kernels ({names}) with {cxx} into {target.parent}; this happens once per "
+        "source, torch, compiler and CPU (`make setup` or `python -m moe_gmm.ops.native` does it ahead)"
+    )
     fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *(str(source) for source in SOURCES), "-o", tmp_name, *_flags()]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False)
+        cmd = [cxx, *(str(source) for source in sources), "-o", tmp_name, *_flags()]
+        with _build_progress() as elapsed:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False)
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+            raise RuntimeError(f"{' '.join(cmd)} failed after {elapsed():.1f} s:\n{done.stderr[-4000:]}")
         os.replace(tmp_name, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
+    _announce(f"native CPU kernels built in {elapsed():.1f} s: {target}")
     return target
 
 

@@ -14,6 +14,8 @@
 //       permuted[row_id_map[t*k+j]] = hidden[t]; an id outside [0, E) is an error
 //   slot_sum(src[R,H], row_id_map[R], probs[T,k] f32 or None, top_k, out[T,H])
 //       out[t] = sum_j p[t,j] * src[row_id_map[t*k+j]]            (p = 1 without probs)
+//       a row_id_map value outside [0, R) is an error (here and in unpermute_backward)
+// Index errors raise c10::ValueError (Python ValueError), the type the Python boundary raises.
 //   unpermute_backward(grad_out[T,H], expert_out[R,H], row_id_map[R], probs[T,k] f32,
 //                      grad_expert_out[R,H] or empty, grad_probs[T,k] f32 or empty)
 //       grad_expert_out[row_id_map[t*k+j]] = p[t,j] * grad_out[t]
@@ -212,6 +214,20 @@ void swiglu_backward_kernel(const T* dy, const T* x, T* dx, int64_t rows, int64_
   });
 }
 
+// The maps come from callers: one pass over R ints (cheap next to the R * H rows it guards) keeps a
+// bad value from reading or writing outside the rows, whatever the Python side checked.
+void check_row_ids(const int64_t* row_id_map, int64_t num_rows, const char* op) {
+  int64_t bad = -1;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    if (static_cast<uint64_t>(row_id_map[r]) >= static_cast<uint64_t>(num_rows)) {
+      bad = r;
+      break;
+    }
+  }
+  TORCH_CHECK_VALUE(bad < 0, op, ": row_id_map[", bad, "] = ", bad < 0 ? 0 : row_id_map[bad], " outside [0, ", num_rows,
+              ")");
+}
+
 void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
@@ -241,7 +257,7 @@ void permute_rows_kernel(const char* hidden, const Id* ids, int64_t num_rows, in
   std::fill(counts, counts + num_experts, int64_t{0});
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t e = static_cast<int64_t>(ids[r]);
-    TORCH_CHECK(e >= 0 && e < num_experts, "permute_rows: expert id ", e, " outside [0, ", num_experts, ")");
+    TORCH_CHECK_VALUE(e >= 0 && e < num_experts, "permute_rows: expert id ", e, " outside [0, ", num_experts, ")");
     ++counts[e];
   }
   std::vector<int64_t> next(num_experts);
@@ -294,6 +310,7 @@ void slot_sum(const at::Tensor& src, const at::Tensor& row_id_map, const std::op
     TORCH_CHECK(probs->scalar_type() == at::kFloat && probs->numel() == src.size(0), "slot_sum: probs");
     p = probs->data_ptr<float>();
   }
+  check_row_ids(row_id_map.data_ptr<int64_t>(), row_id_map.numel(), "slot_sum");
   dispatch_float(src.scalar_type(), "slot_sum", [&](auto tag) {
     using T = decltype(tag);
     slot_sum_kernel<T>(src.data_ptr<T>(), row_id_map.data_ptr<int64_t>(), p, out.data_ptr<T>(), num_tokens, top_k,
@@ -324,6 +341,7 @@ void unpermute_backward(const at::Tensor& grad_out, const at::Tensor& expert_out
     TORCH_CHECK(expert_out.scalar_type() == grad_out.scalar_type() && expert_out.numel() == num_tokens * top_k * hidden,
                 "unpermute_backward: expert_out");
   }
+  check_row_ids(row_id_map.data_ptr<int64_t>(), row_id_map.numel(), "unpermute_backward");
   dispatch_float(grad_out.scalar_type(), "unpermute_backward", [&](auto tag) {
     using T = decltype(tag);
     unpermute_backward_kernel<T>(grad_out.data_ptr<T>(), want_probs ? expert_out.data_ptr<T>() : nullptr,

@@ -111,7 +111,8 @@ def weight_layout(w_EKN: torch.Tensor) -> str | None:
 
 
 def _unit_rows(t_MX: torch.Tensor) -> torch.Tensor:
-    return t_MX if t_MX.stride(1) == 1 else t_MX.contiguous()
+    # .contiguous() keeps the zero strides of a [1, 1] expanded gradient; clone gives unit strides.
+    return t_MX if t_MX.stride(1) == 1 else t_MX.clone(memory_format=torch.contiguous_format)
 
 
 def _ends(group_ends_E: torch.Tensor) -> torch.Tensor:
