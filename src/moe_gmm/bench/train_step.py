@@ -198,12 +198,13 @@ def block_subjects(case: MoeLayerCase, dtype: torch.dtype, names: Sequence[str])
                 module = Qwen3_5MoeSparseMoeBlock(cfg)
             module.load_state_dict(_own_copy(inp.hf_block), assign=True)
         module.train()
+        own_x = x.detach().clone().requires_grad_(True)  # its own .grad, as the subject's own weights
 
-        def loss(module=module) -> torch.Tensor:
-            return (module(x) * dy).sum()
+        def loss(module=module, own_x=own_x) -> torch.Tensor:
+            return (module(own_x) * dy).sum()
 
         params = list(module.parameters())
-        subjects[name] = Subject(name, module, loss, params, (x,), _grads_in_order(module, order, (x,)))
+        subjects[name] = Subject(name, module, loss, params, (own_x,), _grads_in_order(module, order, (own_x,)))
     return subjects
 
 
@@ -323,10 +324,10 @@ def lm_subjects(case: LmCase, dtype: torch.dtype, names: Sequence[str]) -> dict[
     return subjects
 
 
-def _check_names(names: Sequence[str]) -> None:
+def _check_names(names: Sequence[str], what: str = "names") -> None:
     unknown = [n for n in names if n not in TRAIN_IMPLS]
     if unknown or not names:
-        raise ValueError(f"names: expected a non-empty list from {list(TRAIN_IMPLS)}, got {list(names)}")
+        raise ValueError(f"{what}: expected a non-empty list from {list(TRAIN_IMPLS)}, got {list(names)}")
 
 
 def _compare(subjects: dict[str, Subject], reference: str) -> dict[str, dict[str, float]]:
@@ -377,7 +378,6 @@ def _time_modes(
         timings = time_interleaved(fns, settings)
         del fns  # the optimizers and their state
         _clear_grads(subjects)
-        gc.collect()
         base_ms = timings[BASELINE].median_s * 1e3 if BASELINE in timings else None
         for name, t in timings.items():
             median = t.median_s * 1e3
@@ -547,7 +547,7 @@ def run_train_steps(
     bad_modes = [m for m in modes if m not in TRAIN_MODES]
     if bad_modes or not modes:
         raise ValueError(f"modes: expected a non-empty list from {list(TRAIN_MODES)}, got {list(modes)}")
-    _check_names(impls)
+    _check_names(impls, "impls")
     settings = settings or TimingSettings()
     say = progress or (lambda _msg: None)
     load_start = os.getloadavg()
