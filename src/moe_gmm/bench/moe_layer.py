@@ -17,6 +17,10 @@ Implementations, all on the same weights and the same input ``x [1, T, H]``:
 - ``moe_gmm_padded``: ``moe_gmm`` with its expert weights stored with padded rows, as
   ``MoeBlockConfig(pad_expert_weight_rows=True)`` lays them out (opt-in; a copy made once).
 
+The headline mode, ``train`` (printed first), times the step training runs: ``zero_grad``, forward,
+``loss.backward()``, AdamW's step, over this block and small causal LMs (:mod:`moe_gmm.bench.train_step`).
+The modes below time ``torch.autograd.grad``, which never accumulates into ``.grad``.
+
 Gradients are taken for ``x`` and every parameter. ``moe_gmm``'s expert weights are handed to the
 harness as Hugging Face-layout transposed *views* of its own parameters, so its gradients compare
 element by element with transformers' while the block still reads its own memory layout.

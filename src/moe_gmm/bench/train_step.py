@@ -606,16 +606,18 @@ def _impls_of(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def timing_table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and lines: one line per (model, case, dtype, mode); median ms [p20-p80] per implementation,
-    the speed-ups over ``hf_grouped_mm``, the optimizer and the largest numeric difference."""
+    """Header and lines: one line per (model, case, dtype, mode); the optimizer, median ms [p20-p80] per
+    implementation, the speed-ups over ``hf_grouped_mm`` and the largest numeric difference."""
     rows = result["rows"]
     impls = _impls_of(rows)
     others = [n for n in impls if n != BASELINE]
-    header = ["model", "case", "dtype", "mode", "optimizer", *(f"{n} ms [p20-p80]" for n in impls)]
+    header = ["case", "dtype", "mode (optimizer)", *(f"{n} ms [p20-p80]" for n in impls)]
     header += [f"{n} vs {BASELINE}" for n in others] + ["max rel err (loss, grads)"]
     lines = []
     for first, by_impl in _groups(rows):
-        line = [first["model"], first["case"], first["dtype"], first["mode"], first["optimizer"]]
+        case = first["case"] if first["model"] != "block" else f"block {first['case']}"
+        mode = first["mode"] if first["optimizer"] == "none" else f"{first['mode']} ({first['optimizer']})"
+        line = [case, first["dtype"], mode]
         for n in impls:
             r = by_impl.get(n)
             line.append("-" if r is None else f"{r['median_ms']:.1f} [{r['p20_ms']:.1f}-{r['p80_ms']:.1f}]")
@@ -675,7 +677,7 @@ def print_train_tables(result: dict[str, Any], console=None) -> None:
     console.print("[bold]Train step (transformers' MoE block and small causal LMs), per experts implementation[/bold]")
     for line in _header_lines(result):
         console.print(line, highlight=False)
-    tables = [("train step, ms per step", *timing_table(result), 5), *((*t, 1) for t in phase_tables(result))]
+    tables = [("train step, ms per step", *timing_table(result), 3), *((*t, 1) for t in phase_tables(result))]
     for title, header, lines, labels in tables:
         table = Table(title=title, header_style="bold")
         for i, name in enumerate(header):
@@ -689,7 +691,7 @@ def train_markdown(result: dict[str, Any]) -> str:
     """The same tables as Markdown."""
     out = ["### Train step, per experts implementation", "", *(f"- {line}" for line in _header_lines(result))]
     header, lines = timing_table(result)
-    out += ["", *markdown_table(header, lines, right=range(5, len(header)))]
+    out += ["", *markdown_table(header, lines, right=range(3, len(header)))]
     for title, header, lines in phase_tables(result):
         out += ["", title[0].upper() + title[1:], "", *markdown_table(header, lines, right=range(1, len(header)))]
     return "\n".join(out) + "\n"
@@ -758,7 +760,8 @@ def run_from_args(args, cases: Sequence[MoeLayerCase], dtypes: Sequence[torch.dt
         impls=impls,
         modes=modes,
         settings=settings,
-        breakdown_steps=args.breakdown_steps,
+        # --quick: one profiled step per implementation and mode (the profiled steps dominate its time)
+        breakdown_steps=min(args.breakdown_steps, 1) if args.quick else args.breakdown_steps,
         eager_max_experts=args.eager_max_experts,
         progress=lambda msg: console.print(msg, highlight=False),
     )

@@ -39,7 +39,9 @@ def run_bench(
             raise BenchUsageError(f"suite must be one of {SUITES}, got {suite!r}")
         stem = "gmm" if suite == "gmm" else "moe_layer"
         json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
-        argv = ["--dtype", dtype, "--modes", mode, "--out", str(json_path), "--markdown", str(md_path)]
+        # The layer suite's train-step table (what training runs) comes first, then the chosen mode.
+        modes = f"train,{mode}" if suite == "layer" else mode
+        argv = ["--dtype", dtype, "--modes", modes, "--out", str(json_path), "--markdown", str(md_path)]
         if quick:
             argv.insert(0, "--quick")
         try:
