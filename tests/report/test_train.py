@@ -66,6 +66,8 @@ def test_fused_and_eager_losses_align_and_fall(dtype, tmp_path):
     assert max(float(r["abs_diff"]) for r in rows) == pytest.approx(result.max_abs_diff, abs=1e-9)
     for name in ("losses.png", "train_report.md", "train_report.json", "ckpt_fused.pt", "ckpt_eager.pt", "init.pt"):
         assert (tmp_path / name).stat().st_size > 0, name
+    # The optimizer users should run: AdamW's fused kernel where the device has one (CPU does).
+    assert torch.load(tmp_path / "ckpt_fused.pt", weights_only=True)["optimizer"]["param_groups"][0]["fused"] is True
 
 
 def test_resume_reproduces_the_uninterrupted_losses(tmp_path):

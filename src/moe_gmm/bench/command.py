@@ -40,7 +40,9 @@ def _suite_argv(
     suite: str, *, quick: bool, dtype: str, mode: str, baseline: dict | None, compare: Path | None
 ) -> list[str]:
     if baseline is None:
-        argv = ["--dtype", dtype, "--modes", mode]
+        # The layer suite's train-step table (what training runs) comes first, then the chosen mode.
+        modes = f"train,{mode}" if suite == "layer" else mode
+        argv = ["--dtype", dtype, "--modes", modes]
         return ["--quick", *argv] if quick else argv
     try:
         return [*replay_argv(baseline, suite), "--compare", str(compare)]

@@ -117,6 +117,7 @@ class Timing:
     p20_s: float
     p80_s: float
     repeats: int
+    max_s: float = math.nan
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -138,6 +139,7 @@ def timing_from_samples(samples: Sequence[float]) -> Timing:
         p20_s=_quantile(ordered, 0.2),
         p80_s=_quantile(ordered, 0.8),
         repeats=len(ordered),
+        max_s=ordered[-1],
     )
 
 
@@ -451,6 +453,7 @@ def _run_case(
                     "min_s": t.min_s,
                     "p20_s": t.p20_s,
                     "p80_s": t.p80_s,
+                    "max_s": t.max_s,
                     "repeats": t.repeats,
                     "gflops": flops / t.median_s / 1e9,
                     "speedup_vs_reference": ref_median / t.median_s,

@@ -2,6 +2,10 @@
 
 The cases and implementations are in :mod:`moe_gmm.bench.layer_cases`.
 
+The headline mode, ``train`` (printed first), times the step training runs: ``zero_grad``, forward,
+``loss.backward()``, AdamW's step, over this block and small causal LMs (:mod:`moe_gmm.bench.train_step`).
+The other modes time ``torch.autograd.grad``, which never accumulates into ``.grad``.
+
 :func:`profile_breakdown` times ``moe_gmm``'s phases with ``torch.profiler`` from the
 ``record_function`` labels in the layer: ``moe::router``, ``moe::permute``, ``moe::gmm``,
 ``moe::swiglu``, ``moe::unpermute``, ``moe::shared_expert`` (forward), ``moe::*_bwd`` and the
@@ -221,7 +225,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--cases", default=None, help=f"case set: {', '.join(CASE_SETS)} (default: qwen, or quick)")
     p.add_argument("--filter", default=None, help="only cases whose name contains this text")
     p.add_argument("--dtype", default="fp32,bf16", help="comma list of fp32, bf16")
-    p.add_argument("--modes", default="fwd,fwdbwd", help="comma list of fwd, bwd, fwdbwd")
+    p.add_argument(
+        "--modes",
+        default="train,fwdbwd",
+        help="comma list of train (the training step users run, printed first: moe_gmm.bench.train_step), "
+        "fwd, bwd, fwdbwd (autograd.grad)",
+    )
     p.add_argument("--impls", default=None, help=f"comma list from {', '.join(IMPLS)} (the reference always runs)")
     p.add_argument(
         "--reference",
@@ -243,6 +252,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "the impls named in --impls, default all but hf_eager)",
     )
     add_run_arguments(p)
+    from moe_gmm.bench import train_step  # imports this module: not at the top
+
+    train_step.add_train_arguments(p)
     return p
 
 
@@ -255,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     dtypes = [_DTYPES[n] for n in split_choices(args.dtype, ("fp32", "bf16"), "--dtype")]
-    modes = split_choices(args.modes, ("fwd", "bwd", "fwdbwd"), "--modes")
+    modes = split_choices(args.modes, ("train", "fwd", "bwd", "fwdbwd"), "--modes")
     cases = [
         c
         for c in case_set(args.cases or ("quick" if args.quick else "qwen"))
@@ -277,6 +289,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     console = wide_console()
+    train = None
+    if "train" in modes:  # the headline: before the autograd.grad modes
+        from moe_gmm.bench import train_step
+
+        train = train_step.run_from_args(args, cases, dtypes, settings, console)
+        modes = [m for m in modes if m != "train"]
+        if not modes:
+            return _write_train_only(train, args, console)
     names = [i.name for i in impls]
     console.print(f"measuring machine limits ({', '.join(DTYPE_NAMES[d] for d in dtypes)} GEMM, copy bandwidth)...")
     limits = measure_limits(tuple(dtypes), quick=args.quick)
@@ -323,12 +343,18 @@ def main(argv: list[str] | None = None) -> int:
         path = report.write_json(args.out)
         data = json.loads(path.read_text())
         data["breakdown"] = breakdowns
+        if train is not None:
+            data["train_step"] = train
         if args.memory:
             data["memory"] = memory
         path.write_text(json.dumps(data, indent=1) + "\n")
         console.print(f"JSON written to {path}")
     if args.markdown:
         text = markdown_report(report)
+        if train is not None:
+            from moe_gmm.bench.train_step import train_markdown
+
+            text = train_markdown(train) + "\n" + text
         for b in breakdowns:
             text += f"\n\nmoe_gmm time by phase, {b['case']} {b['dtype']} (ms per step)\n\n| phase | fwd | bwd |\n|---|---:|---:|\n"
             text += "\n".join(
@@ -343,3 +369,21 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.markdown).write_text(text + "\n")
         console.print(f"Markdown written to {args.markdown}")
     return apply_baseline_options(report.as_dict(), args, "layer", console)
+
+
+def _write_train_only(train: dict[str, Any], args, console) -> int:
+    """``--out`` / ``--markdown`` of a run whose only mode is ``train``."""
+    import json
+    from pathlib import Path
+
+    from moe_gmm.bench.train_step import train_markdown
+
+    if args.out:
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"title": "MoE layer train step", "rows": [], "train_step": train}, indent=1) + "\n")
+        console.print(f"JSON written to {path}")
+    if args.markdown:
+        Path(args.markdown).write_text(train_markdown(train))
+        console.print(f"Markdown written to {args.markdown}")
+    return 0

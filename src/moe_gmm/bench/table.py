@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_gmm.bench.harness import BenchReport, summarize
+from moe_gmm.report.timing import NOISY_MAX_OVER_MIN, NOISY_P80_OVER_P20
 
 __all__ = ["markdown_report", "markdown_table", "print_report", "write_outputs"]
 
@@ -37,7 +38,30 @@ def _cell(row: dict[str, Any] | None) -> str:
         return ""
     if row.get("median_s") is None:
         return "skip"
-    return f"{_ms(row['median_s'])} ({row['x_floor']:.2f}x)"
+    spread = ""
+    if row.get("p20_s") is not None and row.get("p80_s") is not None:
+        spread = f" [{_ms(row['p20_s'])}-{_ms(row['p80_s'])}]"
+    return f"{_ms(row['median_s'])}{spread} ({row['x_floor']:.2f}x){' NOISY' if _noisy(row) else ''}"
+
+
+def _noisy(row: dict[str, Any]) -> bool:
+    """The reports' noise rule (``moe_gmm.report.timing``) on a benchmark row's repeats."""
+    p20, p80, low, high = (row.get(k) for k in ("p20_s", "p80_s", "min_s", "max_s"))
+    wide_middle = p20 is not None and p80 is not None and p20 > 0 and p80 / p20 > NOISY_P80_OVER_P20
+    wide_ends = low is not None and high is not None and low > 0 and high / low > NOISY_MAX_OVER_MIN
+    return wide_middle or wide_ends
+
+
+def _repeats_note(report: BenchReport) -> str:
+    counts = [r["repeats"] for r in report.rows if r.get("repeats")]
+    if not counts:
+        return ""
+    few, many = min(counts), max(counts)
+    n = str(few) if few == many else f"{few}-{many}"
+    return (
+        f"cell: median [p20-p80] ms of {n} interleaved repeats (time / roofline floor); NOISY: "
+        f"p80/p20 > {NOISY_P80_OVER_P20:g} or max/min > {NOISY_MAX_OVER_MIN:g}"
+    )
 
 
 def _grouped(report: BenchReport) -> list[tuple[dict[str, Any], dict[str, dict[str, Any]]]]:
@@ -155,7 +179,9 @@ def print_report(report: BenchReport, console=None) -> None:
     for line in _header_lines(report):
         console.print(line, highlight=False)
     header, lines = _table_data(report)
-    caption = "cell: median ms (time / roofline floor); floor c = compute-bound, m = memory-bound"
+    caption = (_repeats_note(report) or "cell: median ms (time / roofline floor)") + (
+        "; floor c = compute-bound, m = memory-bound"
+    )
     if any("case_gemm_rate" in r for r in report.rows):
         caption += "; the rate here: a square GEMM timed in the case's rounds, the compute floor from its median"
     table = Table(show_lines=False, header_style="bold", caption=caption)
@@ -177,6 +203,8 @@ def markdown_report(report: BenchReport) -> str:
     """The same tables as Markdown."""
     out = [f"### {report.title}", ""]
     out += [f"- {line}" for line in _header_lines(report)]
+    if _repeats_note(report):
+        out.append(f"- {_repeats_note(report)}")
     for header, lines in (_table_data(report), _summary_data(report)):
         out += ["", *markdown_table(header, lines)]
     return "\n".join(out) + "\n"
