@@ -204,7 +204,10 @@ def test_an_unknown_config_name_lists_the_packaged_configs(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--config", "tinyy", "--out", str(tmp_path / "o")]) == EXIT_USAGE
     err = capsys.readouterr().err
-    assert "config 'tinyy': no such file and no packaged config of that name (packaged: qwen3_5_397b, tiny)" in err
+    assert (
+        "config 'tinyy': no such file and no packaged config of that name (packaged: qwen3_5_397b, tiny, tiny_dp2_ep2)"
+        in err
+    )
     assert not (tmp_path / "o").exists()
 
 

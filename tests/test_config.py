@@ -50,7 +50,7 @@ def test_reference_config_is_schema_valid_with_reference_keys():
 
 
 def test_packaged_configs_load_by_name_from_any_directory(tmp_path, monkeypatch):
-    assert list(packaged_configs()) == ["qwen3_5_397b", "tiny"]
+    assert list(packaged_configs()) == ["qwen3_5_397b", "tiny", "tiny_dp2_ep2"]
     monkeypatch.chdir(tmp_path)  # nothing named tiny here: the name finds the packaged file
     assert resolve_config("tiny") == CONFIGS / "tiny.yaml"
     assert load_config("tiny") == RunConfig()
@@ -71,14 +71,14 @@ def test_unknown_config_names_list_the_packaged_ones(tmp_path, monkeypatch):
     with pytest.raises(
         ConfigError,
         match=r"^config 'tiyn': no such file and no packaged config of that name "
-        r"\(packaged: qwen3_5_397b, tiny\)$",
+        r"\(packaged: qwen3_5_397b, tiny, tiny_dp2_ep2\)$",
     ):
         load_config("tiyn")
     # Something shaped like a path is read as one: the missing file is the error, with the names.
     with pytest.raises(
         ConfigError,
         match=r"^config file 'configs/tiny.yaml': cannot be read \(No such file or "
-        r"directory; packaged configs: qwen3_5_397b, tiny\)$",
+        r"directory; packaged configs: qwen3_5_397b, tiny, tiny_dp2_ep2\)$",
     ):
         load_config("configs/tiny.yaml")
     with pytest.raises(TypeError, match=r"config must be a str or Path, got int"):
@@ -167,6 +167,18 @@ def test_impossible_combinations():
         parse_config(_set(data, "parallel.ep_plan.apply_modules", ["model.layers.{x-y}.mlp.experts"]))
     # EP 2 of world 2 is fine.
     assert parse_config(data, world_size=2).parallel.expert_parallel_size == 2
+
+
+def test_data_parallel_shard_must_fit_the_world():
+    data = _set(_tiny(), "parallel.expert_parallel_size", 2)
+    with pytest.raises(ConfigError, match=r"^parallel\.data_parallel_shard: must be >= 1 or null, got 0"):
+        parse_config(_set(data, "parallel.data_parallel_shard", 0))
+    with pytest.raises(ConfigError, match=r"^parallel\.data_parallel_shard: expected int or null, got str"):
+        parse_config(_set(data, "parallel.data_parallel_shard", "2"))
+    with pytest.raises(ConfigError, match=r"^parallel\.data_parallel_shard: 3 x parallel\.expert_parallel_size 2 = 6 "):
+        parse_config(_set(data, "parallel.data_parallel_shard", 3), world_size=4)
+    assert parse_config(_set(data, "parallel.data_parallel_shard", 2), world_size=4).parallel.data_parallel_shard == 2
+    assert parse_config(data, world_size=4).parallel.data_parallel_shard is None  # null: world / ep
 
 
 def test_config_error_is_a_value_error_and_file_errors_are_config_errors(tmp_path):

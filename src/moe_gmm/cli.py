@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--profile-steps", type=int, default=2, help="extra profiled steps per path for the time breakdown (0: none)"
     )
+    t.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=None,
+        metavar="EP",
+        help="override parallel.expert_parallel_size (dp becomes processes / EP), e.g. to --resume on another mesh",
+    )
 
     b = sub.add_parser(
         "bench", help="grouped-matmul and MoE-layer benchmarks with JSON and plots", formatter_class=_DefaultsFormatter
@@ -160,7 +167,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from moe_gmm.checksum import CheckpointError
-    from moe_gmm.config import ConfigError
+    from moe_gmm.config import ConfigError, load_config
     from moe_gmm.report.train import TrainUsageError, run_training
 
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
@@ -170,9 +177,16 @@ def _train(args: argparse.Namespace) -> int:
         return _usage_error(f"--steps must be >= 1, got {args.steps}")
     if args.profile_steps < 0:
         return _usage_error(f"--profile-steps must be >= 0, got {args.profile_steps}")
+    if args.expert_parallel_size is not None and args.expert_parallel_size < 1:
+        return _usage_error(f"--expert-parallel-size must be >= 1, got {args.expert_parallel_size}")
     try:
+        config = args.config
+        if args.expert_parallel_size is not None:  # checked against the model and the world in run_training
+            config = load_config(args.config)
+            config.parallel.expert_parallel_size = args.expert_parallel_size
+            config.parallel.data_parallel_shard = None
         result = run_training(
-            args.config,
+            config,
             out_dir=args.out,
             steps=args.steps,
             resume=args.resume,

@@ -79,8 +79,10 @@ class EPPlanConfig(_Typed):
 
 @dataclass
 class ParallelConfig(_Typed):
-    """``parallel``: expert parallelism over ``torch.distributed``."""
+    """``parallel``: a (dp, ep) DeviceMesh over ``torch.distributed`` (world = dp * ep)."""
 
+    # Data-parallel ranks per expert shard (the mesh's dp dim); None = world size / expert_parallel_size.
+    data_parallel_shard: int | None = None
     expert_parallel_size: int = 1
     ep_plan: EPPlanConfig = field(default_factory=EPPlanConfig)
 
@@ -299,6 +301,15 @@ def validate_config(cfg: RunConfig, *, world_size: int | None = None) -> RunConf
         raise ConfigError(
             f"parallel.expert_parallel_size: {p.expert_parallel_size} must divide the world size {world_size}"
         )
+    if p.data_parallel_shard is not None and p.data_parallel_shard < 1:
+        raise ConfigError(f"parallel.data_parallel_shard: must be >= 1 or null, got {p.data_parallel_shard}")
+    if world_size is not None and p.data_parallel_shard is not None:
+        mesh = p.data_parallel_shard * p.expert_parallel_size
+        if mesh != world_size:
+            raise ConfigError(
+                f"parallel.data_parallel_shard: {p.data_parallel_shard} x parallel.expert_parallel_size "
+                f"{p.expert_parallel_size} = {mesh} must equal the world size {world_size} (or set it to null)"
+            )
     from moe_gmm.parallel.plan import EPPlan
 
     try:

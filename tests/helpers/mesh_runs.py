@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from moe_gmm.parallel import EPPlan, apply_expert_parallel, sync_gradients
+from moe_gmm.parallel import EPPlan, apply_expert_parallel
 from moe_gmm.parallel.ddp import replicate_moe
 from moe_gmm.parallel.fsdp import parallelize_moe
 from moe_gmm.parallel.mesh import ParallelizedMoe
@@ -233,7 +233,6 @@ def _usage_errors() -> dict[str, str]:
     return {
         "loss_type": _error(lambda: par.normalize_loss(1.0, 3)),
         "count_shape": _error(lambda: par.normalize_loss(torch.tensor(1.0), torch.ones(2))),
-        "sync_gradients": _error(lambda: sync_gradients(par.model, None)),
         "no_ep_dim": _error(
             lambda: parallelize_moe(model, init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), plan)
         ),

@@ -22,7 +22,8 @@ from moe_gmm.integrations.transformers import register_moe_gmm_experts
 from moe_gmm.layers import GroupedExperts
 from moe_gmm.ops.expert_mlp import expert_mlp
 from moe_gmm.ops.permute import permute, unpermute
-from moe_gmm.parallel import EPPlan, apply_expert_parallel, sync_gradients
+from moe_gmm.parallel import EPPlan, apply_expert_parallel
+from moe_gmm.parallel.apply import expert_parameter_ids
 from moe_gmm.parallel.launch import run_ranks
 from moe_gmm.testing import assert_rel_close, relative_error
 from tests.helpers.gmm_calls import GmmCalls
@@ -177,13 +178,19 @@ def _ep_errors(rank: int, ep: int, name: str, ids: torch.Tensor) -> tuple[list[s
     matched = apply_expert_parallel(model, None, EPPlan(ep, [EP_PATTERN]))
     loss = model(input_ids=ids[rank : rank + 1], labels=ids[rank : rank + 1]).loss
     loss.backward()
-    sync_gradients(model, None)  # each rank's loss is a mean over its equally many tokens
+    experts = expert_parameter_ids(model)
+    for p in model.parameters():  # the same order on every rank: the all-reduces pair up
+        if p.grad is None:  # unused here; a zero keeps every rank's all-reduces the same
+            p.grad = torch.zeros_like(p)
+        if id(p) not in experts:  # each rank holds its tokens' part of a replicated gradient
+            torch.distributed.all_reduce(p.grad)
+        p.grad /= ep  # each rank's loss is a mean over its equally many tokens
     losses = [torch.zeros(()) for _ in range(ep)]
     torch.distributed.all_gather(losses, loss.detach())
     errs = {"loss": relative_error(torch.stack(losses).mean(), ref_loss.detach())}
     for pname, p in model.named_parameters():
         expected = ref_params[pname].grad
-        if expected is None:  # sync_gradients gives unused parameters zeros (one all-reduce layout)
+        if expected is None:  # unused parameters got zeros above
             expected = torch.zeros_like(ref_params[pname])
         if p.shape != expected.shape:  # an expert shard: experts [r * E / ep, (r + 1) * E / ep)
             local = expected.shape[0] // ep

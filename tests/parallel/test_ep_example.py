@@ -35,13 +35,15 @@ def test_torchrun_ep_train_example(tmp_path):
         str(ROOT / "examples" / "ep_train.py"),
         "--steps",
         "2",
-        "--out",
-        str(tmp_path),
     ]
+    env["TMPDIR"] = str(tmp_path)  # the default checkpoint directory goes here, and must be removed
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "EP=2 x DP=1 dispatcher=alltoall" in out and "4 of 8 experts per rank" in out
+    assert "mesh dp=1 x ep=2 dispatcher=alltoall: 4 of 8 experts per rank" in out
     assert "step 1: loss" in out
-    assert "rank 0's experts bitwise equal: True" in out
-    assert (tmp_path / "model.safetensors.index.json").exists()
+    diffs = [float(line.rpartition("|diff| ")[2].rstrip(")")) for line in out.splitlines() if "|diff|" in line]
+    assert len(diffs) == 2 and max(diffs) < 1e-5, out
+    assert "checkpoint: ['.metadata', '__0_0.distcp', '__1_0.distcp']" in out
+    assert "reloaded into a plain model: bitwise equal: True" in out
+    assert not any(p.name.startswith("ep_ckpt_") for p in tmp_path.iterdir())  # temporary dirs cleaned up

@@ -12,21 +12,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_gmm.parallel import (
-    EPPlan,
-    apply_expert_parallel,
-    expert_parallel_groups,
-    expert_parallel_modules,
-    sync_gradients,
-)
+from moe_gmm.parallel import EPPlan, apply_expert_parallel, expert_parallel_modules, replicate_moe
 from moe_gmm.parallel.launch import run_ranks
 from moe_gmm.testing import relative_error
 from tests.helpers.ep_models import PATTERN
 from tests.helpers.ep_models import tiny_moe_stack as _model
+from tests.helpers.mesh_runs import mesh
 
 pytestmark = pytest.mark.distributed
 
 LIMIT = 1e-5
+
+
 def _setup_errors(rank: int, ep: int) -> dict[str, str]:
     """Each bad setup must raise ValueError on every rank at once (the next case would hang otherwise)."""
     cases = {
@@ -63,7 +60,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _equality(rank: int, ep: int, dispatcher: str) -> dict[str, float]:
-    """Summed loss: EP grads after sync_gradients(average=False) equal the single-process grads."""
+    """Summed loss: expert grads (the dispatcher's backward) and summed replicated grads equal one process's."""
     ref_model = _model(seed=1)
     g = torch.Generator().manual_seed(2)
     tokens = [6 + r for r in range(ep)]  # uneven batches
@@ -80,9 +77,11 @@ def _equality(rank: int, ep: int, dispatcher: str) -> dict[str, float]:
     x = x_all[lo:hi].clone().requires_grad_(True)
     out = model(x)
     (out * w_all[lo:hi]).sum().backward()
-    sync_gradients(model, None, average=False)
-    errs = {"out": relative_error(out, out_ref[lo:hi]), "x.grad": relative_error(x.grad, x_ref.grad[lo:hi])}
     sharded = {f"{n}.{p}" for n in expert_parallel_modules(model) for p in ("gate_up_proj", "down_proj")}
+    for name, p in model.named_parameters():
+        if name not in sharded:  # each rank holds its tokens' part of a replicated gradient
+            dist.all_reduce(p.grad)
+    errs = {"out": relative_error(out, out_ref[lo:hi]), "x.grad": relative_error(x.grad, x_ref.grad[lo:hi])}
     for name, p in model.named_parameters():
         expected = ref[name]
         if name in sharded:
@@ -96,7 +95,8 @@ def _equality(rank: int, ep: int, dispatcher: str) -> dict[str, float]:
 def _training(rank: int, world: int, dispatcher: str, ep: int | None = None, steps: int = 3) -> dict[str, float]:
     """Mean loss, SGD with momentum: 3 EP steps == 3 single-process steps on the concatenated batches.
 
-    ``ep < world`` runs data parallelism across EP groups (``world / ep`` replicas of each shard).
+    ``ep < world`` runs data parallelism across EP groups (``world / ep`` replicas of each shard), on
+    a ``(world / ep, ep)`` mesh under ``replicate_moe`` (DDP for the dense part, plain expert shards).
     """
     ep = ep or world
     g = torch.Generator().manual_seed(3)
@@ -107,12 +107,7 @@ def _training(rank: int, world: int, dispatcher: str, ep: int | None = None, ste
     ]
     ref_model = _model(seed=4)
     model = copy.deepcopy(ref_model)
-    if ep == world:
-        ep_group, groups = None, {}
-    else:
-        ep_group, expert_dp_group = expert_parallel_groups(ep)
-        groups = {"dense_group": dist.group.WORLD, "expert_dp_group": expert_dp_group}
-    apply_expert_parallel(model, ep_group, EPPlan(ep, [PATTERN], dispatcher))
+    par = replicate_moe(model, mesh(world // ep, ep), EPPlan(ep, [PATTERN], dispatcher))
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -121,8 +116,7 @@ def _training(rank: int, world: int, dispatcher: str, ep: int | None = None, ste
         nn.functional.mse_loss(ref_model(x), y).backward()
         ref_opt.step()
         opt.zero_grad()
-        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        sync_gradients(model, ep_group, **groups)  # mean loss: average replicated grads, experts / world
+        par.average_loss(nn.functional.mse_loss(par.model(x[rows]), y[rows])).backward()
         opt.step()
     sharded = {f"{n}.{p}" for n in expert_parallel_modules(model) for p in ("gate_up_proj", "down_proj")}
     ref = dict(ref_model.named_parameters())

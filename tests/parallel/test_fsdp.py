@@ -56,7 +56,6 @@ def test_checksums_differ_between_runs(mesh_reports_4):
         ("layers_container", "'layers' is a ModuleList without its own forward"),
         ("loss_type", "TypeError: loss_sum must be a torch.Tensor, got float"),
         ("count_shape", "ValueError: num_tokens must be a scalar, got shape (2,)"),
-        ("sync_gradients", "TypeError: model holds DTensor parameters"),
     ],
 )
 def test_usage_errors(mesh_reports_2, case, needle):

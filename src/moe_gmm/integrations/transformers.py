@@ -244,6 +244,8 @@ def _backend_name(weight_EKN: torch.Tensor, fused: bool, backend: str | None) ->
 
     if not fused:
         return "eager"
+    if hasattr(weight_EKN, "to_local"):  # parallelize_moe's DTensor experts: the op runs on the local rows
+        weight_EKN = weight_EKN.to_local()
     choice = explain(weight_EKN.new_empty(1, weight_EKN.shape[1]), weight_EKN, backend=backend)
     if choice.backend is not None:
         return choice.backend

@@ -1,8 +1,7 @@
 """``apply_expert_parallel``: shard matched experts modules over an EP group and route through a dispatcher.
 
-Also the training-side glue: :func:`sync_gradients` keeps replicated parameters identical across
-the group and scales expert gradients, so that EP training equals single-process training on the
-concatenated batch.
+The building block of :func:`~moe_gmm.parallel.fsdp.parallelize_moe` and
+:func:`~moe_gmm.parallel.ddp.replicate_moe`, which add the gradient reductions on a DeviceMesh.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import types
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from moe_gmm.integrations.support import expert_mlp_support, run_expert_mlp
@@ -24,13 +22,7 @@ from moe_gmm.parallel.layout import EXPERT_PARAMS, ExpertShard, experts_layout
 from moe_gmm.parallel.plan import EPPlan
 from moe_gmm.parallel.verify import verify_same_setup
 
-__all__ = [
-    "apply_expert_parallel",
-    "expert_parallel_groups",
-    "expert_parallel_modules",
-    "expert_parameter_ids",
-    "sync_gradients",
-]
+__all__ = ["apply_expert_parallel", "expert_parallel_modules", "expert_parameter_ids"]
 
 
 def _ep_forward(
@@ -65,9 +57,9 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
     see :func:`~moe_gmm.parallel.guards.check_optimizer`) and the module's forward becomes the
     dispatcher path with the same ``(hidden_TH, top_k_index_Tk, top_k_weights_Tk) -> out_TH``
     signature and global expert ids. Every other parameter stays whole (replicated): nothing here
-    keeps the replicas equal, so the training loop must reduce their gradients over the group
-    (:func:`sync_gradients`; ``replicate_moe`` / ``parallelize_moe`` do it themselves), and
-    :func:`~moe_gmm.parallel.guards.verify_replicas` proves it did (call it every N steps).
+    keeps the replicas equal; ``parallelize_moe`` and ``replicate_moe`` call this and then set up
+    the gradient reductions, and :func:`~moe_gmm.parallel.guards.verify_replicas` proves the
+    replicas stayed equal (call it every N steps).
 
     Collective: every rank of ``ep_group`` must call it. Problems are gathered from all ranks and
     raised as one ``ValueError`` on every rank (never a hang): a pattern matching nothing or two
@@ -160,89 +152,3 @@ def expert_parallel_modules(model: nn.Module) -> dict[str, nn.Module]:
 def expert_parameter_ids(model: nn.Module) -> set[int]:
     """``id()`` of every sharded expert parameter of ``model``."""
     return {id(getattr(m, p)) for m in expert_parallel_modules(model).values() for p in EXPERT_PARAMS}
-
-
-def _all_reduce_flat(params: list[nn.Parameter], group: dist.ProcessGroup | None, scale: float) -> None:
-    """Sum the gradients of ``params`` over ``group`` (one flat buffer per dtype), then scale them."""
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        if p.grad is None:  # a zero gradient, so every rank reduces a buffer of the same layout
-            p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p)
-    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-        grads = [p.grad for p in by_dtype[dtype]]
-        flat = _flatten_dense_tensors(grads)
-        with collective("gradient all-reduce", group):
-            dist.all_reduce(flat, group=group)
-        if scale != 1.0:
-            flat.mul_(scale)
-        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
-
-
-def sync_gradients(
-    model: nn.Module,
-    ep_group: dist.ProcessGroup | None,
-    *,
-    average: bool = True,
-    dense_group: dist.ProcessGroup | None = None,
-    expert_dp_group: dist.ProcessGroup | None = None,
-) -> None:
-    """Make EP gradients equal those of single-process training on the concatenated batch.
-
-    Call after ``backward()`` and before the optimizer step, on every rank.
-
-    - Replicated parameters (router, shared expert, attention, embeddings, ...) saw only this
-      rank's tokens: their gradients are all-reduced over ``dense_group`` (``None``: the EP group;
-      ``dist.group.WORLD`` with data parallelism across EP groups), one flat buffer per dtype.
-    - Expert parameters already hold the sum over the EP group's tokens routed to them (the
-      combine's backward brought those gradients to the owner). With data parallelism across EP
-      groups (see :func:`expert_parallel_groups`) the same shard lives on one rank of every EP
-      group, and ``expert_dp_group`` (those ranks) sums them; without it they are not reduced.
-
-    ``average=True`` is for a loss that is a mean over each rank's tokens (equal token counts on
-    every rank): the concatenated-batch loss is then the mean of the ranks' losses, so every
-    gradient is divided by the number of ranks that hold data (the size of ``dense_group``).
-    ``average=False`` is for a summed loss: sums only.
-    """
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise TypeError(
-            "model holds DTensor parameters (FSDP or parallelize_moe / replicate_moe): their gradients are "
-            "already reduced in backward; scale the loss with normalize_loss instead of calling sync_gradients"
-        )
-    dense_group = ep_group if dense_group is None else dense_group
-    scale = 1.0 / dist.get_world_size(dense_group) if average else 1.0
-    experts = expert_parameter_ids(model)
-    _all_reduce_flat([p for p in model.parameters() if p.requires_grad and id(p) not in experts], dense_group, scale)
-    expert_params = [p for p in model.parameters() if p.requires_grad and id(p) in experts]
-    if expert_dp_group is not None and dist.get_world_size(expert_dp_group) > 1:
-        _all_reduce_flat(expert_params, expert_dp_group, scale)
-    elif scale != 1.0:
-        for p in expert_params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-
-
-def expert_parallel_groups(ep_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """``(ep_group, expert_dp_group)`` of this rank for ``world = dp * ep`` ranks, EP innermost.
-
-    EP groups are consecutive ranks ``[d * ep, (d + 1) * ep)`` (on one node when ep <= GPUs per
-    node, where the all-to-all is cheapest); expert-DP groups are the ranks holding the same expert
-    shard, ``{d * ep + i for d in range(dp)}``. Collective: every rank creates every group in the
-    same order. Train with
-    ``sync_gradients(model, ep_group, dense_group=dist.group.WORLD, expert_dp_group=expert_dp_group)``.
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1 or world % ep_size:
-        raise ValueError(f"ep_size must be a positive divisor of the world size {world}, got {ep_size!r}")
-    dp = world // ep_size
-    mine: dict[str, dist.ProcessGroup] = {}
-    for d in range(dp):
-        group = dist.new_group([d * ep_size + i for i in range(ep_size)])
-        if rank // ep_size == d:
-            mine["ep"] = group
-    for i in range(ep_size):
-        group = dist.new_group([d * ep_size + i for d in range(dp)])
-        if rank % ep_size == i:
-            mine["dp"] = group
-    return mine["ep"], mine["dp"]

@@ -1,13 +1,13 @@
-"""The expert-parallel side of ``moe-gmm train`` under ``torchrun --nproc-per-node N``.
+"""The distributed side of ``moe-gmm train`` under ``torchrun --nproc-per-node N``.
 
-Every rank of the EP group holds ``E / N`` experts of every matched experts module
-(``parallel.ep_plan.apply_modules``) and a full copy of everything else. Rank r trains on rows
-``[r B/N, (r+1) B/N)`` of each global batch; :func:`moe_gmm.parallel.sync_gradients` then makes
-the gradients those of one process training on the whole batch, so an N-rank run reproduces the
-1-process losses up to summation order.
-
-In this version the EP group is the whole world (``parallel.expert_parallel_size`` must equal
-the number of processes); data parallelism across EP groups is not wired.
+The N ranks form a ``(dp, ep)`` DeviceMesh (``parallel.expert_parallel_size`` = ep, dp = N / ep,
+``parallel.data_parallel_shard`` if set must agree) and the model is parallelized on it with
+:func:`moe_gmm.parallel.parallelize_moe`: experts sharded over ``ep`` as DTensors, FSDP2 over the
+rest. Every rank holds different data: rank r trains on rows ``[r B/N, (r+1) B/N)`` of each global
+batch and backpropagates its mean loss divided by N, so the summed gradients are those of one
+process on the whole batch and an N-rank run reproduces the 1-process losses up to summation
+order. Checkpoints are DCP directories (:mod:`moe_gmm.parallel.dcp`), so a run resumes at any
+other (dp, ep).
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ from typing import Any
 import torch
 
 from moe_gmm.config import ConfigError, RunConfig, validate_config
+from moe_gmm.parallel.mesh import ParallelizedMoe
 
-__all__ = ["Runtime", "apply_ep", "clip_grad_norm", "finish_backward", "local_rows", "mean_over_ranks", "setup_runtime"]
+__all__ = ["Runtime", "clip_grad_norm", "local_rows", "mean_over_ranks", "parallelize", "scale_loss", "setup_runtime"]
 
 
 @dataclass
 class Runtime:
-    """Where this process stands: rank, world size, and the EP process group (None: one process)."""
+    """Where this process stands: rank, world size, and the ``(dp, ep)`` DeviceMesh (None: one process)."""
 
     rank: int = 0
     world: int = 1
-    group: Any = None
+    mesh: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -43,51 +44,48 @@ class Runtime:
 
 
 def setup_runtime(cfg: RunConfig) -> Runtime:
-    """Validate the EP size against ``$WORLD_SIZE`` and join the process group when N > 1."""
+    """Check the mesh shape against ``$WORLD_SIZE``, join the process group and build the mesh when N > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate_config(cfg, world_size=world)
-    ep = cfg.parallel.expert_parallel_size
     if world == 1:
         return Runtime()
-    if ep != world:
-        raise ConfigError(
-            f"parallel.expert_parallel_size: {ep} must equal the number of processes {world} "
-            "(data parallelism across EP groups is not supported by `moe-gmm train`)"
-        )
     if cfg.training.micro_batch_size % world:
         raise ConfigError(
             f"training.micro_batch_size: {cfg.training.micro_batch_size} must be divisible by the "
             f"number of processes {world} (each rank takes an equal slice of the batch)"
         )
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=120))
     if cfg.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return Runtime(rank=dist.get_rank(), world=dist.get_world_size(), group=dist.group.WORLD)
+    ep = cfg.parallel.expert_parallel_size
+    mesh = init_device_mesh(cfg.device, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    return Runtime(rank=dist.get_rank(), world=dist.get_world_size(), mesh=mesh)
 
 
-def apply_ep(model: torch.nn.Module, rt: Runtime, cfg: RunConfig, *, fused: bool, backend: str | None) -> None:
-    """Shard the experts modules named by ``parallel.ep_plan`` over the EP group (no-op for one process)."""
+def parallelize(
+    model: torch.nn.Module, rt: Runtime, cfg: RunConfig, *, fused: bool, backend: str | None
+) -> ParallelizedMoe | None:
+    """``parallelize_moe`` on the run's mesh with the ``parallel.ep_plan`` (None for one process)."""
     if not rt.distributed:
-        return
-    from moe_gmm.parallel.apply import apply_expert_parallel
+        return None
+    from moe_gmm.parallel.fsdp import parallelize_moe
     from moe_gmm.parallel.plan import EPPlan
 
-    for module in _matched(model, apply_expert_parallel(model, rt.group, EPPlan.from_config(cfg.parallel))):
-        # The sharded forward reads the grouped-matmul settings from the shard's layout; the eager
-        # path (and a configured backend) is chosen there, as moe_gmm.parallel documents.
-        shard = module.ep_shard
-        module.ep_shard = dataclasses.replace(
+    par = parallelize_moe(model, rt.mesh, EPPlan.from_config(cfg.parallel))
+    modules = dict(model.named_modules())
+    for name in par.experts:
+        # The sharded forward reads the grouped-matmul settings from the shard's layout: the eager
+        # path (and a configured backend) is chosen there.
+        shard = modules[name].ep_shard
+        modules[name].ep_shard = dataclasses.replace(
             shard, layout=dataclasses.replace(shard.layout, fused=fused, backend=backend if fused else None)
         )
-
-
-def _matched(model: torch.nn.Module, names: list[str]) -> list[torch.nn.Module]:
-    modules = dict(model.named_modules())
-    return [modules[n] for n in names]
+    return par
 
 
 def local_rows(ids_BS: torch.Tensor, rt: Runtime) -> torch.Tensor:
@@ -98,43 +96,17 @@ def local_rows(ids_BS: torch.Tensor, rt: Runtime) -> torch.Tensor:
     return ids_BS[rt.rank * per_rank : (rt.rank + 1) * per_rank]
 
 
-def finish_backward(model: torch.nn.Module, rt: Runtime) -> None:
-    """Reduce replicated gradients and scale expert ones (mean loss, equal rows per rank)."""
-    if rt.distributed:
-        from moe_gmm.parallel.apply import sync_gradients
-
-        sync_gradients(model, rt.group, average=True)
+def scale_loss(loss_mean: torch.Tensor, par: ParallelizedMoe | None) -> torch.Tensor:
+    """This rank's share of the global mean loss (every reduction is a sum; equal rows per rank)."""
+    return loss_mean if par is None else par.average_loss(loss_mean)
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float, rt: Runtime) -> None:
-    """``torch.nn.utils.clip_grad_norm_`` over the whole (sharded) model.
-
-    Replicated gradients are identical on every rank after :func:`finish_backward`; expert shards
-    differ, so their squared norms are summed across ranks before the common scale is applied.
-    """
-    if not rt.distributed:
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, par: ParallelizedMoe | None) -> None:
+    """``torch.nn.utils.clip_grad_norm_`` over the whole model, its norm taken across every mesh."""
+    if par is None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return
-    import torch.distributed as dist
-
-    from moe_gmm.parallel.apply import expert_parameter_ids
-
-    experts = expert_parameter_ids(model)
-    grads = [(id(p) in experts, p.grad) for p in model.parameters() if p.grad is not None]
-    sq_experts = torch.zeros((), dtype=torch.float64, device=grads[0][1].device)
-    sq_replicated = torch.zeros_like(sq_experts)
-    for is_expert, g in grads:
-        sq = g.detach().double().pow(2).sum()
-        if is_expert:
-            sq_experts += sq
-        else:
-            sq_replicated += sq
-    dist.all_reduce(sq_experts, group=rt.group)
-    total = float((sq_experts + sq_replicated).sqrt())
-    coef = max_norm / (total + 1e-6)  # the same formula as torch's clip_grad_norm_
-    if coef < 1.0:
-        for _, g in grads:
-            g.mul_(coef)
+    else:
+        par.clip_grad_norm_(max_norm)
 
 
 def mean_over_ranks(value: float, rt: Runtime, device: torch.device) -> float:
@@ -144,5 +116,5 @@ def mean_over_ranks(value: float, rt: Runtime, device: torch.device) -> float:
     import torch.distributed as dist
 
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, group=rt.group)
+    dist.all_reduce(t)
     return float(t) / rt.world

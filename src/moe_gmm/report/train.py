@@ -10,12 +10,15 @@ Outputs in ``out_dir``: ``losses.csv``, ``losses.png``, ``train_report.{md,json}
 per path (``ckpt_<path>.pt``, model + optimizer + losses; ``--resume`` continues from it and
 reproduces the losses of an uninterrupted run). ``init.pt`` and the checkpoints carry a checksum per
 tensor (:mod:`moe_gmm.report.train_checkpoint`); a damaged one is a usage error before any step.
+Under ``torchrun`` the checkpoints are DCP directories (``ckpt_<path>.dcp``, see
+:mod:`moe_gmm.report.distributed`), resumable at any other (dp, ep) or in one process.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,13 +29,14 @@ from moe_gmm._validation import writable_directory
 from moe_gmm.checksum import CheckpointError
 from moe_gmm.config import ConfigError, RunConfig, load_config
 from moe_gmm.integrations.transformers import describe_experts
+from moe_gmm.parallel.mesh import ParallelizedMoe
 from moe_gmm.report.distributed import (
     Runtime,
-    apply_ep,
     clip_grad_norm,
-    finish_backward,
     local_rows,
     mean_over_ranks,
+    parallelize,
+    scale_loss,
     setup_runtime,
 )
 from moe_gmm.report.model import Report
@@ -172,66 +176,92 @@ class _Run:
     init_state: dict[str, torch.Tensor]
     experts: dict[str, list] = field(default_factory=dict)  # path -> describe_experts(model), for the report
 
-    def model(self, path: str, state: dict | None = None) -> torch.nn.Module:
-        """The model for ``path`` from ``init.pt``, sharded over the EP group, then ``state`` loaded."""
+    def model(self, path: str, state: dict | None = None) -> tuple[torch.nn.Module, ParallelizedMoe | None]:
+        """The model for ``path`` from ``init.pt``, parallelized on the mesh, then ``state`` loaded."""
         model = build_model(self.cfg, path)
         check_state(self.init_state, model.state_dict(), self.out / "init.pt")
         model.load_state_dict(self.init_state)
         model.to(device=self.device, dtype=self.dtype).train()
         fused = path == "fused" and self.cfg.model.use_grouped_expert_matmul
-        apply_ep(model, self.rt, self.cfg, fused=fused, backend=self.cfg.model.gmm_backend)
+        par = parallelize(model, self.rt, self.cfg, fused=fused, backend=self.cfg.model.gmm_backend)
         if state is not None:
             model.load_state_dict(state)
-        return model
+        return model, par
 
     def checkpoint(self, path: str) -> Path:
-        # Under EP each rank holds different expert shards: one file per rank.
-        suffix = f"_rank{self.rt.rank}of{self.rt.world}" if self.rt.distributed else ""
-        return self.out / f"ckpt_{path}{suffix}.pt"
+        # Under torchrun a DCP directory, whose layout does not depend on the (dp, ep) it was saved at.
+        return self.out / (f"ckpt_{path}.dcp" if self.rt.distributed else f"ckpt_{path}.pt")
 
-    def step(self, model, opt, step: int) -> float:
+    def resume_from(self, path: str) -> Path:
+        """The checkpoint ``--resume`` reads: one process also continues a torchrun run's DCP directory."""
+        own, dcp_dir = self.checkpoint(path), self.out / f"ckpt_{path}.dcp"
+        return dcp_dir if not own.exists() and dcp_dir.exists() else own
+
+    def step(self, model, par: ParallelizedMoe | None, opt, step: int) -> float:
         ids = local_rows(synthetic_batch(self.cfg, step), self.rt).to(self.device)
         opt.zero_grad(set_to_none=True)
         loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        finish_backward(model, self.rt)
+        scale_loss(loss, par).backward()
         if self.cfg.training.grad_clip:  # null or 0: no clipping
-            clip_grad_norm(model, self.cfg.training.grad_clip, self.rt)
+            clip_grad_norm(model, self.cfg.training.grad_clip, par)
         opt.step()
         # Host sync: the loss is logged every step (the mean over ranks is the global batch's loss).
         return mean_over_ranks(float(loss.detach()), self.rt, self.device)
 
 
-def _save(path: Path, model, opt, step: int, losses: list[float], step_ms: list[float]) -> None:
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    save_checked(path, {**state, "step": step, "losses": losses, "step_ms": step_ms})
+def _save(run: _Run, path: Path, model, opt, step: int, losses: list[float], step_ms: list[float]) -> None:
+    progress = {"step": step, "losses": losses, "step_ms": step_ms}
+    if run.rt.distributed:
+        from moe_gmm.parallel.dcp import save_checkpoint
+
+        save_checkpoint(path, model, opt, extra=progress)
+    else:
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        save_checked(path, {**state, **progress})
+    if run.rt.is_main:  # the other format's checkpoint of this path is older now: --resume must not pick it
+        other = path.with_suffix(".pt" if run.rt.distributed else ".dcp")
+        if other.is_dir():
+            shutil.rmtree(other)
+        else:
+            other.unlink(missing_ok=True)
 
 
 def _resume_state(run: _Run, path: str, steps: int) -> dict:
     """The checked checkpoint of ``path``: readable, every checksum right, short of ``steps``."""
-    ckpt_path = run.checkpoint(path)
+    ckpt_path = run.resume_from(path)
     if not ckpt_path.exists():
         raise TrainUsageError(f"--resume: no checkpoint {ckpt_path} (run without --resume first)")
-    state = load_checked(ckpt_path, _CKPT_PARTS)
+    if ckpt_path.suffix == ".dcp":  # the progress now; model and optimizer once the model is built
+        from moe_gmm.parallel.dcp import checkpoint_extra
+
+        state = checkpoint_extra(ckpt_path, ("step", "losses", "step_ms"))
+    else:
+        state = load_checked(ckpt_path, _CKPT_PARTS)
     losses, step_ms = state["losses"], state["step_ms"]
     if not (isinstance(losses, list) and isinstance(step_ms, list) and len(losses) == len(step_ms) == state["step"]):
         raise CheckpointError(f"checkpoint {str(ckpt_path)!r}: step, losses and step_ms disagree")
     if len(losses) >= steps:
         raise TrainUsageError(f"--resume: checkpoint {ckpt_path} is already at step {len(losses)} >= --steps {steps}")
-    if not run.rt.distributed:  # an unsharded model: its shapes are init.pt's, so check them now
+    if ckpt_path.suffix == ".pt":  # an unsharded model: its shapes are init.pt's, so check them now
         expected = {k: torch.empty(v.shape, dtype=run.dtype, device="meta") for k, v in run.init_state.items()}
         check_state(state["model"], expected, ckpt_path)
     return state
 
 
 def _run_path(run: _Run, path: str, steps: int, state: dict | None, progress, profile_steps: int) -> tuple:
-    model = run.model(path)
+    model, par = run.model(path)
     run.experts[path] = describe_experts(model)
     opt = _optimizer(run.cfg, model)
     ckpt_path = run.checkpoint(path)
     losses: list[float] = []
     step_ms: list[float] = []
-    if state is not None:
+    source = run.resume_from(path)
+    if state is not None and source.suffix == ".dcp":
+        from moe_gmm.parallel.dcp import load_checkpoint
+
+        load_checkpoint(source, model, opt)  # shapes, E and finite values checked before any copy
+        losses, step_ms = list(state["losses"]), list(state["step_ms"])
+    elif state is not None:
         check_state(state["model"], model.state_dict(), ckpt_path)  # before anything is copied
         model.load_state_dict(state["model"])
         try:
@@ -243,22 +273,22 @@ def _run_path(run: _Run, path: str, steps: int, state: dict | None, progress, pr
     every = run.cfg.training.checkpoint_every
     for step in range(len(losses) + 1, steps + 1):
         start = time.perf_counter()
-        losses.append(run.step(model, opt, step))
+        losses.append(run.step(model, par, opt, step))
         synchronize(run.device)
         step_ms.append((time.perf_counter() - start) * 1e3)
         progress.update(task, advance=1, description=f"train {path} loss {losses[-1]:.4f}")
         if (every and step % every == 0) or step == steps:
-            if run.rt.distributed:  # replicas that drifted apart would leave per-rank files that disagree
+            if run.rt.distributed:  # what every rank holds whole (buffers) must not have drifted apart
                 from moe_gmm.parallel.guards import verify_replicas
 
-                verify_replicas(model, run.rt.group, what=f"train {path} at step {step}")
-            _save(ckpt_path, model, opt, step, losses, step_ms)
+                verify_replicas(model, None, what=f"train {path} at step {step}")
+            _save(run, ckpt_path, model, opt, step, losses, step_ms)
     if not profile_steps:
         return losses, step_ms, {}
     # Phase breakdown on a copy, so profiling does not move the trained weights.
-    probe = run.model(path, state=model.state_dict())
+    probe, probe_par = run.model(path, state=model.state_dict())
     probe_opt = _optimizer(run.cfg, probe)
-    phases = measure_phases(lambda: run.step(probe, probe_opt, steps + 1), run.device, steps=profile_steps)
+    phases = measure_phases(lambda: run.step(probe, probe_par, probe_opt, steps + 1), run.device, steps=profile_steps)
     return losses, step_ms, phases
 
 
@@ -275,9 +305,9 @@ def run_training(
     """Train every path in ``paths`` for ``steps`` (default ``training.steps``); write CSV/PNG/report.
 
     After training, ``profile_steps`` extra steps on a copy of each trained model run under the
-    profiler for the phase breakdown (0 skips it). Under ``torchrun`` with
-    ``parallel.expert_parallel_size`` = the number of processes, the experts are sharded over the
-    ranks (see :mod:`moe_gmm.report.distributed`) and rank 0 writes the outputs.
+    profiler for the phase breakdown (0 skips it). Under ``torchrun`` the ranks form a
+    ``(world / parallel.expert_parallel_size, parallel.expert_parallel_size)`` mesh and the model
+    is parallelized on it (see :mod:`moe_gmm.report.distributed`); rank 0 writes the outputs.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -363,4 +393,4 @@ def _barrier(rt: Runtime) -> None:
     if rt.distributed:
         import torch.distributed as dist
 
-        dist.barrier(group=rt.group)
+        dist.barrier()
