@@ -194,7 +194,8 @@ def four_rank_worker(rank: int, world: int) -> dict:
     }
 
 
-def _error(call: Callable[[], object]) -> str:
+def error_of(call: Callable[[], object]) -> str:
+    """``'TypeError: message'`` / ``'ValueError: message'`` of ``call``, or ``'<no error>'``."""
     try:
         call()
     except (TypeError, ValueError) as err:
@@ -219,8 +220,8 @@ def _setup_errors(rank: int) -> dict[str, str]:
     errors = {}
     for entry, run in entries.items():
         for case, build in models.items():
-            errors[f"{entry}_{case}"] = _error(lambda run=run, build=build: run(build()))
-    errors["fsdp_hf_top_k"] = _error(
+            errors[f"{entry}_{case}"] = error_of(lambda run=run, build=build: run(build()))
+    errors["fsdp_hf_top_k"] = error_of(
         lambda: parallelize_moe(qwen3_moe(num_experts_per_tok=3 if odd else 2), mesh(1, 2), EPPlan(2, [HF_PATTERN]))
     )
     return errors
@@ -231,18 +232,18 @@ def _usage_errors() -> dict[str, str]:
     model = tiny_moe_stack(seed=3)
     par = parallelize_moe(tiny_moe_stack(seed=3), mesh(1, 2), plan)
     return {
-        "loss_type": _error(lambda: par.normalize_loss(1.0, 3)),
-        "count_shape": _error(lambda: par.normalize_loss(torch.tensor(1.0), torch.ones(2))),
-        "no_ep_dim": _error(
+        "loss_type": error_of(lambda: par.normalize_loss(1.0, 3)),
+        "count_shape": error_of(lambda: par.normalize_loss(torch.tensor(1.0), torch.ones(2))),
+        "no_ep_dim": error_of(
             lambda: parallelize_moe(model, init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), plan)
         ),
-        "no_data_dim": _error(
+        "no_data_dim": error_of(
             lambda: parallelize_moe(model, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)), plan)
         ),
-        "plan_size": _error(lambda: parallelize_moe(model, mesh(1, 2), EPPlan(4, [PATTERN]))),
-        "plan_type": _error(lambda: replicate_moe(model, mesh(1, 2), {"ep": 2})),
-        "ddp_group": _error(lambda: replicate_moe(model, mesh(1, 2), plan, process_group=None)),
-        "layers_container": _error(
+        "plan_size": error_of(lambda: parallelize_moe(model, mesh(1, 2), EPPlan(4, [PATTERN]))),
+        "plan_type": error_of(lambda: replicate_moe(model, mesh(1, 2), {"ep": 2})),
+        "ddp_group": error_of(lambda: replicate_moe(model, mesh(1, 2), plan, process_group=None)),
+        "layers_container": error_of(
             lambda: parallelize_moe(tiny_moe_stack(seed=3), mesh(1, 2), plan, layers=["layers"])
         ),
     }
@@ -258,11 +259,11 @@ def _dtensor_op_errors() -> dict[str, str]:
     x = torch.randn(5, 4)
     gate_up, down = shard(torch.randn(2, 4, 6)), shard(torch.randn(2, 3, 4))
     return {
-        "grouped_matmul": _error(lambda: grouped_matmul(x, gate_up, [2, 3])),
-        "grouped_matmul_x": _error(
+        "grouped_matmul": error_of(lambda: grouped_matmul(x, gate_up, [2, 3])),
+        "grouped_matmul_x": error_of(
             lambda: grouped_matmul(DTensor.from_local(x, ep_mesh, [Replicate()]), gate_up.to_local(), [2, 3])
         ),
-        "expert_mlp": _error(lambda: expert_mlp(x, [2, 3], gate_up, down)),
+        "expert_mlp": error_of(lambda: expert_mlp(x, [2, 3], gate_up, down)),
     }
 
 

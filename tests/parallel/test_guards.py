@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,17 +13,10 @@ from moe_gmm.parallel import EPPlan, apply_expert_parallel, parallelize_moe, rep
 from moe_gmm.parallel.guards import _REPLACED, check_optimizer, record_replaced, verify_replicas
 from moe_gmm.parallel.launch import run_ranks
 from tests.helpers.ep_models import PATTERN, tiny_moe_stack
+from tests.helpers.mesh_runs import error_of as _error
 from tests.helpers.mesh_runs import mesh
 
 EXPERT_NAMES = [f"layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")]
-
-
-def _error(call: Callable[[], object]) -> str:
-    try:
-        call()
-    except (TypeError, ValueError) as err:
-        return f"{type(err).__name__}: {err}"
-    return "<no error>"
 
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
