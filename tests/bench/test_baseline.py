@@ -8,7 +8,16 @@ import json
 import pytest
 
 from moe_gmm.bench import baseline
-from moe_gmm.bench.baseline import FORMAT, load_baseline, replay_argv, row_key, suite_of, update_baseline
+from moe_gmm.bench.baseline import (
+    FORMAT,
+    load_baseline,
+    replay_argv,
+    row_key,
+    suite_of,
+    suites_of,
+    summary_rows,
+    update_baseline,
+)
 from tests.helpers.bench_runs import tiny_gmm_run
 
 
@@ -100,3 +109,30 @@ def test_module_entry_turns_run_files_into_a_baseline(tmp_path, monkeypatch, cap
     assert data["machine_class"] == "tiny-2c"
     assert len(data["rows"]) == sum(r["median_s"] is not None for r in run["rows"])
     assert "gmm rows ->" in capsys.readouterr().out
+
+
+def test_the_train_step_rows_are_a_suite_of_their_own(tmp_path, monkeypatch, capsys):
+    """A layer run with the train mode writes its headline rows as the ``train`` suite, beside the
+    ``gmm`` rows already there, and a second run compares against them alone."""
+    from moe_gmm.bench import moe_layer
+
+    path = tmp_path / "base.json"
+    tiny_gmm_run(monkeypatch, tmp_path, "--baseline-out", str(path))
+    argv = ["--quick", "--cases", "tiny", "--dtype", "fp32", "--modes", "train", "--train-modes", "train_fused",
+            "--train-impls", "hf_moe_gmm", "--lm", "none", "--repeats", "1", "--no-progress"]  # fmt: skip
+    assert moe_layer.main([*argv, "--out", str(tmp_path / "train.json"), "--baseline-out", str(path)]) == 0
+    data = load_baseline(path)
+    assert set(data["runs"]) == {"gmm", "train"}
+    assert "--modes train" in data["runs"]["train"]["command"] and "--baseline-out" in data["runs"]["train"]["command"]
+    train = [r for r in data["rows"] if r["suite"] == "train"]
+    assert {(r["case"], r["impl"], r["mode"]) for r in train} == {
+        ("block E4-k2-T8", impl, "train_fused") for impl in ("hf_grouped_mm", "hf_moe_gmm")
+    }
+    assert all(r["median_ms"] > 0 and r["p20_ms"] <= r["p80_ms"] and r["rel_err"] < 1e-5 for r in train)
+    run = json.loads((tmp_path / "train.json").read_text())
+    assert suites_of(run) == ["train"] and summary_rows(run, "train") == train
+
+    capsys.readouterr()
+    assert moe_layer.main([*argv, "--compare", str(path)]) in (0, 1)  # verdicts depend on the machine
+    printed = capsys.readouterr().out
+    assert "against the baseline:" in printed and " 0 missing in run" in printed  # gmm rows are not its rows

@@ -4,8 +4,9 @@ A run's JSON (the harness's full record: params, floors, errors, notes) becomes 
 per case x impl x dtype x mode that ran: median, p20/p80 and min in milliseconds, ratio to the
 roofline floor (``x_case_floor``: at the GEMM rate measured in the case's rounds, where the run
 measured it), speed-up over the run's reference and relative error. The baseline keeps the rows
-of each suite (``gmm``, ``layer``) from that suite's latest accepted run, with the run's command,
-so the same measurement can be repeated; writing a suite's rows replaces that suite's rows in place.
+of each suite (``gmm``, ``layer``, and ``train``: the layer runner's train-step rows, the headline)
+from that suite's latest accepted run, with the run's command, so the same measurement can be
+repeated; writing a suite's rows replaces that suite's rows in place.
 
 ``python -m moe_gmm.bench.baseline RUN.json [RUN.json ...] --out benchmarks/baselines/CLASS.json``
 turns runs written earlier into a baseline.
@@ -29,13 +30,14 @@ __all__ = [
     "replay_argv",
     "row_key",
     "suite_of",
+    "suites_of",
     "summary_rows",
     "update_baseline",
 ]
 
 FORMAT = "moe-gmm-baseline/1"
-SUITES = ("gmm", "layer")
-RUNNERS = {"gmm": "benchmarks.run_gmm", "layer": "benchmarks.run_moe_layer"}
+SUITES = ("gmm", "layer", "train")
+RUNNERS = {"gmm": "benchmarks.run_gmm", "layer": "benchmarks.run_moe_layer", "train": "benchmarks.run_moe_layer"}
 # Machine fields that name the class; the rest (commit, load) belong to a run.
 _MACHINE_FIELDS = (
     "cpu_model", "logical_cpus", "usable_cpus", "torch_threads", "cpu_capability", "torch_version", "blas",
@@ -59,6 +61,8 @@ def summary_rows(run: dict[str, Any], suite: str) -> list[dict[str, Any]]:
     """The summary rows of a run's JSON (``BenchReport.as_dict()``); skipped rows have no timing and are left out."""
     if suite not in SUITES:
         raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
+    if suite == "train":
+        return _train_rows(run)
     out = []
     for r in run["rows"]:
         if r.get("median_s") is None:
@@ -85,17 +89,50 @@ def summary_rows(run: dict[str, Any], suite: str) -> list[dict[str, Any]]:
     return out
 
 
+def _train_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The train-step rows (``run["train_step"]``, already in milliseconds) as summary rows."""
+    out = []
+    for r in run.get("train_step", {}).get("rows", []):
+        if r.get("median_ms") is None:
+            continue
+        errors = [e for e in (r.get("loss_rel_err"), r.get("grad_rel_err")) if e is not None]
+        out.append(
+            {
+                "suite": "train",
+                "case": f"{r['model']} {r['case']}",
+                "impl": r["impl"],
+                "dtype": r["dtype"],
+                "mode": r["mode"],
+                "median_ms": _round(r["median_ms"], 6),
+                "p20_ms": _round(r.get("p20_ms", r["median_ms"]), 6),
+                "p80_ms": _round(r.get("p80_ms", r["median_ms"]), 6),
+                "min_ms": _round(r.get("min_ms", r["median_ms"]), 6),
+                "repeats": r.get("repeats"),
+                "speedup_vs_reference": _round(r.get("speedup_vs_hf_grouped_mm"), 4),
+                "rel_err": float(f"{max(errors):.3g}") if errors else None,
+            }
+        )
+    return out
+
+
 def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
+def suites_of(run: dict[str, Any]) -> list[str]:
+    """The suites a run's JSON holds rows of: a layer run can hold ``layer`` and ``train`` rows."""
+    command = run.get("command") or run.get("train_step", {}).get("command", "")
+    if RUNNERS["gmm"] in command:
+        return ["gmm"]
+    if RUNNERS["layer"] in command:
+        held = [s for s, rows in (("layer", run.get("rows")), ("train", run.get("train_step", {}).get("rows"))) if rows]
+        return held or ["layer"]
+    raise ValueError(f"run: its command names none of the runners {sorted(set(RUNNERS.values()))}, got {command!r}")
+
+
 def suite_of(run: dict[str, Any]) -> str:
-    """The suite a run's JSON belongs to, from the runner named in its command."""
-    command = run.get("command", "")
-    for suite, module in RUNNERS.items():
-        if module in command:
-            return suite
-    raise ValueError(f"run: its command names none of the runners {sorted(RUNNERS.values())}, got {command!r}")
+    """The first suite a run's JSON holds rows of (see :func:`suites_of`)."""
+    return suites_of(run)[0]
 
 
 def load_baseline(path: str | Path) -> dict[str, Any]:
@@ -127,7 +164,8 @@ def update_baseline(
     """
     path = Path(path)
     suite = suite or suite_of(run)
-    machine = {k: run["machine"].get(k) for k in _MACHINE_FIELDS}
+    record = run["train_step"] if suite == "train" else run  # where the run's machine and command are
+    machine = {k: record["machine"].get(k) for k in _MACHINE_FIELDS}
     old = load_baseline(path) if path.exists() else {"rows": [], "runs": {}}
     if "machine" in old:
         differs = [k for k in ("cpu_model", "logical_cpus") if old["machine"].get(k) != machine[k]]
@@ -139,9 +177,9 @@ def update_baseline(
     runs = {
         **old["runs"],
         suite: {
-            "command": run.get("command", ""),
-            "started_utc": run.get("started_utc", ""),
-            "git_commit": run["machine"].get("git_commit"),
+            "command": record.get("command", ""),
+            "started_utc": record.get("started_utc", ""),
+            "git_commit": record["machine"].get("git_commit"),
             "reference": run.get("reference"),
             "peak_gflops": {k: round(v / 1e9, 1) for k, v in limits.get("peak_flops", {}).items()},
             "copy_gb_s": round(limits["copy_bandwidth"] / 1e9, 2) if "copy_bandwidth" in limits else None,
@@ -191,8 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     for run_path in args.runs:
         run = json.loads(Path(run_path).read_text())
-        update_baseline(args.out, run, machine_class=args.machine_class)
-        print(f"{run_path}: {len(summary_rows(run, suite_of(run)))} {suite_of(run)} rows -> {args.out}")
+        for suite in suites_of(run):
+            update_baseline(args.out, run, suite=suite, machine_class=args.machine_class)
+            print(f"{run_path}: {len(summary_rows(run, suite))} {suite} rows -> {args.out}")
     return 0
 
 

@@ -119,7 +119,8 @@ def apply_baseline_options(run: dict[str, Any], args: Any, suite: str, console: 
     """``--baseline-out`` and ``--compare`` of a runner, after its run: 1 when a row regressed, else 0."""
     code = 0
     if getattr(args, "compare", None):
-        changes = compare_rows(load_baseline(args.compare)["rows"], summary_rows(run, suite))
+        baseline_rows = [r for r in load_baseline(args.compare)["rows"] if r["suite"] == suite]
+        changes = compare_rows(baseline_rows, summary_rows(run, suite))
         console.print(comparison_text(changes), highlight=False, markup=False, soft_wrap=True)
         code = 1 if regressed(changes) else 0
     if getattr(args, "baseline_out", None):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from moe_gmm.bench import train_step
 from moe_gmm.bench.compare import apply_baseline_options, check_baseline_options
 from moe_gmm.bench.harness import (
     TimingSettings,
@@ -252,8 +253,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "the impls named in --impls, default all but hf_eager)",
     )
     add_run_arguments(p)
-    from moe_gmm.bench import train_step  # imports this module: not at the top
-
     train_step.add_train_arguments(p)
     return p
 
@@ -289,20 +288,19 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     console = wide_console()
-    train = None
-    if "train" in modes:  # the headline: before the autograd.grad modes
-        from moe_gmm.bench import train_step
-
-        train = train_step.run_from_args(args, cases, dtypes, settings, console)
-        modes = [m for m in modes if m != "train"]
-        if not modes:
-            return _write_train_only(train, args, console)
-    names = [i.name for i in impls]
-    console.print(f"measuring machine limits ({', '.join(DTYPE_NAMES[d] for d in dtypes)} GEMM, copy bandwidth)...")
-    limits = measure_limits(tuple(dtypes), quick=args.quick)
     command = "python -m benchmarks.run_moe_layer " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )
+    train = None
+    if "train" in modes:  # the headline: before the autograd.grad modes
+        train = {**train_step.run_from_args(args, cases, dtypes, settings, console), "command": command.strip()}
+        modes = [m for m in modes if m != "train"]
+        if not modes:
+            _write_train_only(train, args, console)
+            return apply_baseline_options({"train_step": train}, args, "train", console)
+    names = [i.name for i in impls]
+    console.print(f"measuring machine limits ({', '.join(DTYPE_NAMES[d] for d in dtypes)} GEMM, copy bandwidth)...")
+    limits = measure_limits(tuple(dtypes), quick=args.quick)
     with maybe_progress(not args.no_progress) as progress:
         report = run_benchmark(
             cases,
@@ -352,9 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         text = markdown_report(report)
         if train is not None:
-            from moe_gmm.bench.train_step import train_markdown
-
-            text = train_markdown(train) + "\n" + text
+            text = train_step.train_markdown(train) + "\n" + text
         for b in breakdowns:
             text += f"\n\nmoe_gmm time by phase, {b['case']} {b['dtype']} (ms per step)\n\n| phase | fwd | bwd |\n|---|---:|---:|\n"
             text += "\n".join(
@@ -368,15 +364,16 @@ def main(argv: list[str] | None = None) -> int:
             text += "\n\n" + memory_markdown(memory).rstrip("\n")
         Path(args.markdown).write_text(text + "\n")
         console.print(f"Markdown written to {args.markdown}")
-    return apply_baseline_options(report.as_dict(), args, "layer", console)
+    code = apply_baseline_options(report.as_dict(), args, "layer", console)
+    if train is not None:
+        code = max(code, apply_baseline_options({"train_step": train}, args, "train", console))
+    return code
 
 
-def _write_train_only(train: dict[str, Any], args, console) -> int:
+def _write_train_only(train: dict[str, Any], args, console) -> None:
     """``--out`` / ``--markdown`` of a run whose only mode is ``train``."""
     import json
     from pathlib import Path
-
-    from moe_gmm.bench.train_step import train_markdown
 
     if args.out:
         path = Path(args.out)
@@ -384,6 +381,5 @@ def _write_train_only(train: dict[str, Any], args, console) -> int:
         path.write_text(json.dumps({"title": "MoE layer train step", "rows": [], "train_step": train}, indent=1) + "\n")
         console.print(f"JSON written to {path}")
     if args.markdown:
-        Path(args.markdown).write_text(train_markdown(train))
+        Path(args.markdown).write_text(train_step.train_markdown(train))
         console.print(f"Markdown written to {args.markdown}")
-    return 0

@@ -45,8 +45,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from moe_gmm.bench.harness import TimingSettings, time_interleaved
+from moe_gmm.bench.layer_cases import MoeLayerCase
 from moe_gmm.bench.machine import DTYPE_NAMES, describe_machine
-from moe_gmm.bench.moe_layer import MoeLayerCase
 from moe_gmm.bench.table import markdown_table
 from moe_gmm.testing import relative_error
 
