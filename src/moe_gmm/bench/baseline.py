@@ -27,12 +27,14 @@ __all__ = [
     "RUNNERS",
     "SUITES",
     "load_baseline",
+    "portable_command",
     "replay_argv",
     "row_key",
     "suite_of",
     "suites_of",
     "summary_rows",
     "update_baseline",
+    "write_baseline",
 ]
 
 FORMAT = "moe-gmm-baseline/1"
@@ -177,7 +179,7 @@ def update_baseline(
     runs = {
         **old["runs"],
         suite: {
-            "command": record.get("command", ""),
+            "command": portable_command(record.get("command", "")),
             "started_utc": record.get("started_utc", ""),
             "git_commit": record["machine"].get("git_commit"),
             "reference": run.get("reference"),
@@ -193,12 +195,34 @@ def update_baseline(
         "runs": dict(sorted(runs.items())),
         "rows": sorted(rows, key=row_key),
     }
+    write_baseline(path, data)
+    return path
+
+
+def write_baseline(path: str | Path, data: dict[str, Any]) -> None:
+    """Write ``data`` one row per line, so a replaced baseline's diff shows which rows moved."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # One row per line: a replaced baseline's diff shows which rows moved.
     body = ",\n".join("  " + json.dumps(r) for r in data["rows"])
     head = json.dumps({k: v for k, v in data.items() if k != "rows"}, indent=1)[:-2]
     path.write_text(f'{head},\n "rows": [\n{body}\n ]\n}}\n')
-    return path
+
+
+def _without_file_options(words: list[str]) -> list[str]:
+    out, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in _FILE_OPTIONS:
+            skip = True
+        elif not word.startswith(tuple(f"{o}=" for o in _FILE_OPTIONS)):
+            out.append(word)
+    return out
+
+
+def portable_command(command: str) -> str:
+    """``command`` without the options that name files: what anyone can rerun, on any machine."""
+    return shlex.join(_without_file_options(shlex.split(command)))
 
 
 def replay_argv(baseline: dict[str, Any], suite: str) -> list[str]:
@@ -209,16 +233,7 @@ def replay_argv(baseline: dict[str, Any], suite: str) -> list[str]:
     words = shlex.split(run["command"])
     if RUNNERS[suite] not in words:
         raise ValueError(f"baseline: the {suite!r} command must run {RUNNERS[suite]}, got {run['command']!r}")
-    words = words[words.index(RUNNERS[suite]) + 1 :]
-    out, skip = [], False
-    for word in words:
-        if skip:
-            skip = False
-        elif word in _FILE_OPTIONS:
-            skip = True
-        elif not word.startswith(tuple(f"{o}=" for o in _FILE_OPTIONS)):
-            out.append(word)
-    return out
+    return _without_file_options(words[words.index(RUNNERS[suite]) + 1 :])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
