@@ -49,7 +49,9 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, plan: EPPlan) -> list[str]:
+def apply_expert_parallel(
+    model: nn.Module, ep_group: dist.ProcessGroup | None, plan: EPPlan, *, verify: bool = True
+) -> list[str]:
     """Shard every experts module matched by ``plan`` along E over ``ep_group``; return their names.
 
     Rank r keeps the contiguous block of experts ``[r * E / ep, (r + 1) * E / ep)`` as plain
@@ -68,9 +70,13 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
     by the group size, ``plan.expert_parallel_size`` != group size, and models or plans that differ
     across ranks (E, top_k, sizes, dtype, plan, or any replicated tensor's bits: see
     :func:`~moe_gmm.parallel.verify.verify_same_setup`), naming the first difference and the ranks.
+    ``verify=False`` skips that last comparison: for callers that already made it over a group
+    holding ``ep_group`` (``parallelize_moe`` and ``replicate_moe`` compare the whole mesh).
     """
     if not isinstance(plan, EPPlan):
         raise TypeError(f"plan must be an EPPlan, got {type(plan).__name__}")
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be a bool, got {type(verify).__name__}")
     ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     modules = dict(model.named_modules())
     problems: list[str] = []
@@ -114,7 +120,8 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None, 
     errors = [f"rank {r}: {p}" for r, probs in enumerate(everyone) for p in probs]
     if errors:
         raise ValueError("apply_expert_parallel: " + "; ".join(errors))
-    verify_same_setup(model, ep_group, plan, matched, what="apply_expert_parallel")
+    if verify:
+        verify_same_setup(model, ep_group, plan, matched, what="apply_expert_parallel")
 
     for name, layout in layouts.items():
         module = modules[name]

@@ -77,7 +77,7 @@ def replicate_moe(
         )
     data_group = moe_mesh.data_mesh.get_group()
     experts = match_and_verify(model, data_group, plan, what="replicate_moe")
-    apply_expert_parallel(model, moe_mesh.ep_mesh.get_group(), plan)
+    apply_expert_parallel(model, moe_mesh.ep_mesh.get_group(), plan, verify=False)  # verified above
 
     modules = dict(model.named_modules())
     expert_dp_group = moe_mesh.expert_dp_mesh.get_group()

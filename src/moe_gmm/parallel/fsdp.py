@@ -137,7 +137,7 @@ def parallelize_moe(
     # The whole mesh must start from one model: replicas that differ would never be reconciled.
     experts = match_and_verify(model, data_mesh.get_group(), plan, what="parallelize_moe")
     layer_names = decoder_layers(model, experts, layers)
-    apply_expert_parallel(model, moe_mesh.ep_mesh.get_group(), plan)
+    apply_expert_parallel(model, moe_mesh.ep_mesh.get_group(), plan, verify=False)  # verified above
     _shard_experts_as_dtensor(model, experts, moe_mesh)
 
     kwargs = {"reshard_after_forward": reshard_after_forward}

@@ -23,8 +23,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from moe_gmm.parallel.comm import collective
-from moe_gmm.parallel.verify import _first_difference, tensor_checksum
+from moe_gmm.parallel.verify import first_difference_across, tensor_records
 
 __all__ = ["check_optimizer", "record_replaced", "replicated_tensors", "verify_replicas"]
 
@@ -105,11 +104,7 @@ def verify_replicas(model: nn.Module, group: dist.ProcessGroup | None = None, *,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    mine = [(n, (tuple(t.shape), str(t.dtype), tensor_checksum(t))) for n, t in replicated_tensors(model)]
-    everyone: list = [None] * dist.get_world_size(group)
-    with collective("replica verification", group):
-        dist.all_gather_object(everyone, mine, group=group)
-    difference = _first_difference(everyone)
+    difference = first_difference_across(tensor_records(replicated_tensors(model)), group, "replica verification")
     if difference is not None:
         raise ValueError(
             f"{what}: replicas differ across ranks (shape, dtype, bit checksum): {difference}; reduce the "

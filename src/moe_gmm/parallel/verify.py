@@ -20,7 +20,14 @@ from moe_gmm.parallel.comm import collective
 from moe_gmm.parallel.layout import experts_layout
 from moe_gmm.parallel.plan import EPPlan
 
-__all__ = ["experts_config", "match_and_verify", "tensor_checksum", "verify_same_setup"]
+__all__ = [
+    "experts_config",
+    "first_difference_across",
+    "match_and_verify",
+    "tensor_checksum",
+    "tensor_records",
+    "verify_same_setup",
+]
 
 # Integer views by element size: checksums read the bits, so -0.0 vs 0.0 or two NaN payloads differ.
 _INT_VIEW = {4: torch.int32, 2: torch.int16, 1: torch.int8}
@@ -115,6 +122,20 @@ def _first_difference(records: list[list[tuple[str, Any]]]) -> str | None:
     return None
 
 
+def tensor_records(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, Any]]:
+    """``(name, (shape, dtype, bit checksum))`` per tensor: what ranks compare of their replicas."""
+    return [(n, (tuple(t.shape), str(t.dtype), tensor_checksum(t))) for n, t in named]
+
+
+def first_difference_across(records: list[tuple[str, Any]], group: dist.ProcessGroup | None, what: str) -> str | None:
+    """Gather every rank's ``records`` over ``group`` (one collective) and describe the first field
+    that differs, with the ranks holding each value; None when all agree."""
+    everyone: list = [None] * dist.get_world_size(group)
+    with collective(what, group):
+        dist.all_gather_object(everyone, records, group=group)
+    return _first_difference(everyone)
+
+
 def verify_same_setup(
     model: nn.Module,
     group: dist.ProcessGroup | None,
@@ -140,10 +161,9 @@ def verify_same_setup(
             (n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if not n.startswith(prefixes)
         ]
     config = list(extra) + _plan_fields(plan) + experts_config(model, experts)
-    tensors = [(n, (tuple(t.shape), str(t.dtype), tensor_checksum(t))) for n, t in replicated]
     everyone: list = [None] * dist.get_world_size(group)
     with collective("setup verification", group):
-        dist.all_gather_object(everyone, (config, tensors), group=group)
+        dist.all_gather_object(everyone, (config, tensor_records(replicated)), group=group)
     difference = _first_difference([c for c, _ in everyone])
     if difference is not None:
         raise ValueError(f"{what}: ranks disagree on the expert-parallel setup: {difference}")
