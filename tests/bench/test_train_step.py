@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 pytest.importorskip("transformers")
 
@@ -23,16 +22,15 @@ from moe_gmm.bench.train_step import (
     TRAIN_IMPLS,
     TRAIN_MODES,
     LmCase,
-    adamw_kind,
     block_subjects,
     lm_subjects,
-    make_adamw,
     profile_train_phases,
     run_train_steps,
     train_markdown,
     train_step,
 )
 from moe_gmm.testing import assert_rel_close
+from tests.helpers.profiling import op_names
 
 FAST = TimingSettings(warmup=0, min_repeats=1, max_repeats=1, min_seconds=0.0)
 BLOCK = MoeLayerCase(num_experts=8, num_tokens=12, top_k=2, hidden=32, intermediate=16, shared_intermediate=24)
@@ -44,12 +42,6 @@ def tiny_lm(model: str) -> LmCase:
         model, num_experts=8, top_k=2, hidden=32, intermediate=16, shared_intermediate=16,
         layers=2, batch=1, seq_len=8, vocab=64, heads=2, kv_heads=1, head_dim=16,
     )  # fmt: skip
-
-
-def op_names(fn) -> set[str]:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return {e.key for e in prof.key_averages()}
 
 
 @pytest.fixture(scope="module")
@@ -132,25 +124,6 @@ def test_moe_gmm_losses_and_grads_match_transformers_eager_fp32(model):
         assert_rel_close(loss, ref_loss, 1e-5, f"{model} {name} loss")
         for i, (g, r) in enumerate(zip(grads, ref_grads, strict=True)):
             assert_rel_close(g, r, 1e-5, f"{model} {name} grad {i}")
-
-
-def test_make_adamw_is_fused_on_cpu_and_runs_the_fused_kernel():
-    p = torch.nn.Parameter(torch.randn(4, 8))
-    p.grad = torch.randn(4, 8)
-    fused = make_adamw([p], lr=1e-3, weight_decay=0.1)
-    assert adamw_kind(fused) == "fused" and fused.defaults["weight_decay"] == 0.1
-    assert "aten::_fused_adamw_" in op_names(fused.step)
-    plain = torch.optim.AdamW([p], lr=1e-3)
-    assert adamw_kind(plain) == "for-loop"
-    assert "aten::_fused_adamw_" not in op_names(plain.step)
-
-
-def test_make_adamw_falls_back_where_no_fused_kernel_exists():
-    # The meta device has neither the fused nor the multi-tensor kernels.
-    p = torch.nn.Parameter(torch.empty(4, 8, device="meta"))
-    assert adamw_kind(make_adamw([p], lr=1e-3)) == "for-loop"
-    with pytest.raises(ValueError, match="fused"):
-        make_adamw([p], lr=1e-3, fused=False)
 
 
 def test_profiled_phases_name_the_optimizer_they_ran():

@@ -15,7 +15,7 @@ own config object: transformers records the experts implementation on the config
 from one config would both run the last one set.
 
 Modes (:data:`TRAIN_MODES`): ``train`` (``torch.optim.AdamW`` as constructed by default: a loop over
-the parameters on CPU), ``train_fused`` (:func:`make_adamw`: the fused kernel where the device has
+the parameters on CPU), ``train_fused`` (:func:`moe_gmm.optim.make_adamw`: the fused kernel where the device has
 one, else ``foreach``) and ``grad`` (forward + ``torch.autograd.grad(loss, params)``, no optimizer: the
 layer benchmark's ``fwdbwd``, which skips the accumulation of gradients into ``.grad``).
 
@@ -37,7 +37,7 @@ import copy
 import gc
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,7 @@ from moe_gmm.bench.harness import TimingSettings, time_interleaved
 from moe_gmm.bench.layer_cases import MoeLayerCase
 from moe_gmm.bench.machine import DTYPE_NAMES, describe_machine
 from moe_gmm.bench.table import markdown_table
+from moe_gmm.optim import adamw_kind, make_adamw
 from moe_gmm.testing import relative_error
 
 __all__ = [
@@ -58,12 +59,10 @@ __all__ = [
     "TRAIN_MODES",
     "LmCase",
     "Subject",
-    "adamw_kind",
     "add_train_arguments",
     "block_subjects",
     "grad_step",
     "lm_subjects",
-    "make_adamw",
     "phase_tables",
     "print_train_tables",
     "profile_train_phases",
@@ -83,33 +82,6 @@ _HF_EXPERTS = {"hf_eager": "eager", "hf_grouped_mm": "grouped_mm", "hf_moe_gmm":
 _LR = 1e-5
 # moe_gmm's SparseMoeBlock stores these transposed relative to transformers' layout.
 _TRANSPOSED = ("experts.gate_up_proj", "experts.down_proj")
-
-
-def make_adamw(params: Iterable[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
-    """``torch.optim.AdamW(params, **kwargs)`` with the fused kernel where every parameter's device has
-    one, else ``foreach=True`` where it has the multi-tensor kernels, else torch's default.
-
-    The default AdamW on CPU runs about a dozen element-wise ops per parameter, each a pass over its
-    memory; the fused kernel updates a parameter and its two moments in one pass.
-    """
-    from torch.optim.optimizer import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
-
-    if "fused" in kwargs or "foreach" in kwargs:
-        raise ValueError(f"make_adamw chooses fused/foreach itself; got {sorted({'fused', 'foreach'} & set(kwargs))}")
-    params = list(params)
-    devices = {p.device.type for p in params}
-    if params and devices <= set(_get_fused_kernels_supported_devices()) and all(p.is_floating_point() for p in params):
-        return torch.optim.AdamW(params, fused=True, **kwargs)
-    if params and devices <= set(_get_foreach_kernels_supported_devices()):
-        return torch.optim.AdamW(params, foreach=True, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
-
-
-def adamw_kind(opt: torch.optim.Optimizer) -> str:
-    """``"fused"``, ``"foreach"`` or ``"for-loop"``: the AdamW implementation ``opt`` runs."""
-    if opt.defaults.get("fused"):
-        return "fused"
-    return "foreach" if opt.defaults.get("foreach") else "for-loop"
 
 
 @dataclass

@@ -154,7 +154,7 @@ def synthetic_batch(cfg: RunConfig, step: int) -> torch.Tensor:
 
 
 def _optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    from moe_gmm.bench.train_step import make_adamw
+    from moe_gmm.optim import make_adamw
     from moe_gmm.parallel.guards import check_optimizer
 
     # Fused (else foreach) AdamW: the default one loops over the parameters with a dozen element-wise
