@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
+from moe_gmm._validation import check_field_types
 from moe_gmm.ops import native
 
 __all__ = ["DEFAULT_TUNING", "MKL_GENERIC_CODE", "CpuTuning", "current_tuning", "use_tuning"]
@@ -57,12 +58,9 @@ class CpuTuning:
     avx512_nt_max_rows: int = 32
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for f in fields(self):
-            value = getattr(self, f.name)
-            expected = {"bool": (bool,), "int": (int,), "float": (int, float)}[f.type]
-            if not isinstance(value, expected) or (f.type != "bool" and isinstance(value, bool)):
-                raise TypeError(f"CpuTuning.{f.name}: expected {f.type}, got {type(value).__name__} {value!r}")
-            if f.type == "float" and math.isnan(value):
+            if f.type == "float" and math.isnan(getattr(self, f.name)):
                 raise ValueError(f"CpuTuning.{f.name}: expected a number, got nan")
         if self.grad_weight_row_multiple < 1:
             raise ValueError(f"CpuTuning.grad_weight_row_multiple: expected >= 1, got {self.grad_weight_row_multiple}")
