@@ -22,7 +22,6 @@ import gc
 import json
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
@@ -40,6 +39,7 @@ from moe_gmm.bench.machine import (
     dtype_name,
     roofline_floor,
 )
+from moe_gmm.report.timing import Spread
 from moe_gmm.testing import relative_error
 
 __all__ = [
@@ -120,26 +120,17 @@ class Timing:
     max_s: float = math.nan
 
 
-def _quantile(sorted_values: Sequence[float], q: float) -> float:
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    pos = q * (len(sorted_values) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
 def timing_from_samples(samples: Sequence[float]) -> Timing:
     if not samples:
         raise ValueError("samples must hold at least one time")
-    ordered = sorted(samples)
+    spread = Spread.of(samples)  # the reports' one definition of median and percentiles
     return Timing(
-        min_s=ordered[0],
-        median_s=statistics.median(ordered),
-        p20_s=_quantile(ordered, 0.2),
-        p80_s=_quantile(ordered, 0.8),
-        repeats=len(ordered),
-        max_s=ordered[-1],
+        min_s=spread.min,
+        median_s=spread.median,
+        p20_s=spread.p20,
+        p80_s=spread.p80,
+        repeats=spread.repeats,
+        max_s=spread.max,
     )
 
 

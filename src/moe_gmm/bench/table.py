@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_gmm.bench.harness import BenchReport, summarize
-from moe_gmm.report.timing import NOISY_MAX_OVER_MIN, NOISY_P80_OVER_P20
+from moe_gmm.report.timing import NOISY_MAX_OVER_MIN, NOISY_P80_OVER_P20, Spread
 
 __all__ = ["markdown_report", "markdown_table", "print_report", "write_outputs"]
 
@@ -45,11 +45,12 @@ def _cell(row: dict[str, Any] | None) -> str:
 
 
 def _noisy(row: dict[str, Any]) -> bool:
-    """The reports' noise rule (``moe_gmm.report.timing``) on a benchmark row's repeats."""
-    p20, p80, low, high = (row.get(k) for k in ("p20_s", "p80_s", "min_s", "max_s"))
-    wide_middle = p20 is not None and p80 is not None and p20 > 0 and p80 / p20 > NOISY_P80_OVER_P20
-    wide_ends = low is not None and high is not None and low > 0 and high / low > NOISY_MAX_OVER_MIN
-    return wide_middle or wide_ends
+    """The reports' noise rule (:class:`moe_gmm.report.timing.Spread`) on a benchmark row's repeats."""
+    if any(row.get(k) is None for k in ("median_s", "p20_s", "p80_s", "min_s")):
+        return False
+    s = {k: row[f"{k}_s"] for k in ("median", "p20", "p80", "min")}
+    # Rows written before max_s was recorded judge by their middle alone.
+    return Spread(**s, max=row.get("max_s", s["min"]), repeats=row.get("repeats", 0)).noisy
 
 
 def _repeats_note(report: BenchReport) -> str:
