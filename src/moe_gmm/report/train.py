@@ -221,9 +221,9 @@ def _save(run: _Run, path: str, model, par, opt, step: int, losses: list[float],
     from moe_gmm.parallel.dcp import save_checkpoint
 
     extra = {"step": step, "losses": losses, "step_ms": step_ms, "run": run_identity(run.cfg)}
-    with deferred_interrupt():  # Ctrl-C here waits until the checkpoint is signed and in place
+    with deferred_interrupt():  # Ctrl-C here waits until the checkpoint is signed, in place and recorded
         save_checkpoint(run.checkpoint(path), par if par is not None else model, opt, extra=extra)
-    run.saved[path] = (run.checkpoint(path), step)
+        run.saved[path] = (run.checkpoint(path), step)
 
 
 def _check_identity(run_cfg: RunConfig, saved: object, ckpt: Path) -> None:
