@@ -72,7 +72,8 @@ def test_ctrl_c_exits_130_naming_a_checkpoint_that_resumes_and_a_second_run_is_r
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     last = [line for line in stderr.splitlines() if line.strip()][-1]
     found = re.fullmatch(
-        r"moe-gmm: interrupted; last complete checkpoint intact: (.*ckpt_eager\.dcp) \(step (\d+)\); continue with --resume",
+        r"moe-gmm: interrupted; last complete checkpoint intact: (.*ckpt_eager\.dcp) \(step (\d+)\); "
+        r"continue with --resume",
         last,
     )
     assert found, last

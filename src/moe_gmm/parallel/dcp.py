@@ -232,7 +232,9 @@ def _sign_dcp(directory: Path) -> None:
 
 
 def verify_checkpoint(directory: str | os.PathLike) -> None:
-    """Check every byte of a signed checkpoint against its ``manifest.json``; :class:`CheckpointError` naming what changed.
+    """Check every byte of a signed checkpoint against its ``manifest.json``.
+
+    :class:`CheckpointError` names the file and the tensor that changed.
 
     :func:`load_checkpoint`, :func:`checkpoint_extra` and :func:`checkpoint_metadata` call it first.
     """

@@ -56,9 +56,8 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def run_identity(cfg: RunConfig) -> str:
     """The run's identity as canonical JSON: seed, the config a resume must share, and its sha256."""
-    flat = {
-        k: v for k, v in _flatten(config_to_dict(cfg)).items() if not any(k == r or k.startswith(r + ".") for r in _RESUMABLE)
-    }
+    resumable = lambda key: any(key == r or key.startswith(r + ".") for r in _RESUMABLE)
+    flat = {k: v for k, v in _flatten(config_to_dict(cfg)).items() if not resumable(k)}
     digest = hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
     return json.dumps({"seed": cfg.seed, "config": flat, "config_sha256": digest}, sort_keys=True)
 
