@@ -198,7 +198,7 @@ def _train(args: argparse.Namespace) -> int:
     except (ConfigError, TrainUsageError, CheckpointError) as exc:
         return _usage_error(str(exc))
     except (TrainInterrupted, KeyboardInterrupt) as exc:  # the latter: before training began
-        print(f"moe-gmm: {exc or 'interrupted before training began; nothing saved'}", file=sys.stderr)
+        print(f"moe-gmm: {str(exc) or 'interrupted before training began; nothing saved'}", file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK if result.ok else EXIT_FAIL
 
