@@ -104,7 +104,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ep_ckpt_") as scratch:
         box = [args.out or scratch]
         dist.broadcast_object_list(box)  # every rank writes its shards into rank 0's directory
-        save_checkpoint(box[0], model, optimizer, extra={"step": args.steps})
+        save_checkpoint(box[0], par, optimizer, extra={"step": args.steps})  # signed: manifest.json
         if rank == 0:
             print(f"checkpoint: {sorted(os.listdir(box[0]))}")
         if args.check:

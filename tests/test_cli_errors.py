@@ -261,11 +261,19 @@ def _flip_byte(path: Path, at_fraction: float) -> None:
 
 
 def _edit_state(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    """Rewrite the eager checkpoint's DCP files with ``edit`` applied (its manifest no longer matches)."""
+
     def damage(out: Path) -> None:
-        path = out / "ckpt_eager.pt"
-        state = torch.load(path, weights_only=True)
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+        path = out / "ckpt_eager.dcp"
+        dcp_to_torch_save(path, out / "state.pt")
+        state = torch.load(out / "state.pt", weights_only=False)
         edit(state)
-        torch.save(state, path)
+        torch.save(state, out / "state.pt")
+        for name in (".metadata", "__0_0.distcp"):
+            (path / name).unlink()
+        torch_save_to_dcp(out / "state.pt", path)
 
     return damage
 
@@ -291,30 +299,37 @@ def _reshape_a_weight(state: dict) -> None:
     state["model"][key] = state["model"][key][:1].clone()
 
 
-def _drop_checksums(state: dict) -> None:
-    state.pop("checksums", None)
+def _forge_the_step(state: dict) -> None:
+    state["extra"]["step"] = state["extra"]["step"] - 1
+    state["extra"]["losses"] = state["extra"]["losses"][:-1]
+    state["extra"]["step_ms"] = state["extra"]["step_ms"][:-1]
 
 
+SHARD = "ckpt_eager.dcp/__0_0.distcp"
 RESUME_CASES = [
     ("resume-nothing-there", lambda out: shutil.rmtree(out), "--resume"),
-    ("resume-ckpt-missing", lambda out: (out / "ckpt_eager.pt").unlink(), "ckpt_eager.pt"),
-    ("resume-ckpt-garbage", lambda out: (out / "ckpt_eager.pt").write_bytes(b"\x00garbage" * 64), "ckpt_eager.pt"),
-    ("resume-ckpt-empty", lambda out: (out / "ckpt_eager.pt").write_bytes(b""), "ckpt_eager.pt"),
-    (
-        "resume-ckpt-truncated",
-        lambda out: (out / "ckpt_eager.pt").write_bytes((out / "ckpt_eager.pt").read_bytes()[:5000]),
-        "ckpt_eager.pt",
-    ),
-    ("resume-ckpt-flipped-byte", lambda out: _flip_byte(out / "ckpt_eager.pt", 0.6), "ckpt_eager.pt"),
-    ("resume-ckpt-nan-injected", _edit_state(_nan_into_a_weight), "ckpt_eager.pt"),
-    ("resume-ckpt-weight-changed", _edit_state(_scale_a_weight), "ckpt_eager.pt"),
-    ("resume-ckpt-tensor-missing", _edit_state(_drop_a_weight), "ckpt_eager.pt"),
-    ("resume-ckpt-wrong-shape", _edit_state(_reshape_a_weight), "ckpt_eager.pt"),
-    ("resume-ckpt-no-checksums", _edit_state(_drop_checksums), "ckpt_eager.pt"),
-    ("resume-ckpt-not-a-dict", lambda out: torch.save([1, 2], out / "ckpt_eager.pt"), "ckpt_eager.pt"),
-    ("resume-init-garbage", lambda out: (out / "init.pt").write_bytes(b"PK\x03\x04 nope"), "init.pt"),
-    ("resume-init-flipped-byte", lambda out: _flip_byte(out / "init.pt", 0.7), "init.pt"),
+    ("resume-ckpt-missing", lambda out: shutil.rmtree(out / "ckpt_eager.dcp"), "ckpt_eager.dcp"),
+    ("resume-ckpt-a-file", lambda out: _replace_by_a_file(out / "ckpt_eager.dcp"), "ckpt_eager.dcp"),
+    ("resume-shard-garbage", lambda out: (out / SHARD).write_bytes(b"\x00garbage" * 64), "__0_0.distcp"),
+    ("resume-shard-empty", lambda out: (out / SHARD).write_bytes(b""), "__0_0.distcp"),
+    ("resume-shard-truncated", lambda out: (out / SHARD).write_bytes((out / SHARD).read_bytes()[:999]), "__0_0.distcp"),
+    ("resume-shard-flipped-byte", lambda out: _flip_byte(out / SHARD, 0.6), "__0_0.distcp"),
+    ("resume-metadata-flipped-byte", lambda out: _flip_byte(out / "ckpt_eager.dcp/.metadata", 0.5), ".metadata"),
+    ("resume-manifest-flipped-byte", lambda out: _flip_byte(out / "ckpt_eager.dcp/manifest.json", 0.5), "manifest"),
+    ("resume-manifest-missing", lambda out: (out / "ckpt_eager.dcp/manifest.json").unlink(), "manifest.json"),
+    ("resume-ckpt-nan-injected", _edit_state(_nan_into_a_weight), "ckpt_eager.dcp"),
+    ("resume-ckpt-weight-changed", _edit_state(_scale_a_weight), "ckpt_eager.dcp"),
+    ("resume-ckpt-tensor-missing", _edit_state(_drop_a_weight), "ckpt_eager.dcp"),
+    ("resume-ckpt-wrong-shape", _edit_state(_reshape_a_weight), "ckpt_eager.dcp"),
+    ("resume-ckpt-step-forged", _edit_state(_forge_the_step), "ckpt_eager.dcp"),
+    ("resume-init-missing", lambda out: shutil.rmtree(out / "init.dcp"), "init.dcp"),
+    ("resume-init-flipped-byte", lambda out: _flip_byte(out / "init.dcp/__0_0.distcp", 0.7), "init.dcp"),
 ]
+
+
+def _replace_by_a_file(path: Path) -> None:
+    shutil.rmtree(path)
+    path.write_bytes(b"PK\x03\x04 nope")
 
 
 @pytest.mark.parametrize(("case", "damage", "key"), RESUME_CASES, ids=[c[0] for c in RESUME_CASES])
@@ -343,7 +358,9 @@ def test_intact_resume_continues(trained, tmp_path, capsys):
     argv = ["train", "--config", str(TINY), "--out", str(out), "--resume", "--steps", "3", "--paths", "eager"]
     code, _ = _run_main([*argv, "--profile-steps", "0"], capsys)
     assert code == 0
-    assert len(torch.load(out / "ckpt_eager.pt", weights_only=True)["losses"]) == 3
+    from moe_gmm.parallel.dcp import checkpoint_extra
+
+    assert len(checkpoint_extra(out / "ckpt_eager.dcp", ("losses",))["losses"]) == 3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,10 +394,10 @@ def test_subprocess_unwritable_out_and_bad_flag_print_one_line(tmp_path):
 def test_subprocess_corrupted_resume_prints_one_line(trained, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(trained, out)
-    _flip_byte(out / "ckpt_eager.pt", 0.6)
+    _flip_byte(out / SHARD, 0.6)
     proc = _cli(["train", "--config", str(TINY), "--out", str(out), "--resume", "--steps", "3", "--paths", "eager"])
     assert proc.returncode == EXIT_USAGE, proc.stderr
-    assert "ckpt_eager.pt" in _one_usage_line(proc.stderr)
+    assert "ckpt_eager.dcp', file __0_0.distcp" in _one_usage_line(proc.stderr)
 
 
 @pytest.mark.parametrize(

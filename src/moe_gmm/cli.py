@@ -1,8 +1,9 @@
 """``moe-gmm``: the command line. Thin: parse arguments, call the library, print, return an exit code.
 
 Exit codes: 0 every check passed, 1 a check failed, 2 bad usage (unknown flag, bad config,
-unavailable device or backend, unwritable ``--out``, unreadable ``--resume`` checkpoint). Usage
-errors print one line to stderr naming the flag or key, never a traceback.
+unavailable device or backend, unwritable ``--out``, unreadable ``--resume`` checkpoint), 130
+``train`` stopped by Ctrl-C. Usage errors print one line to stderr naming the flag or key, never a
+traceback; Ctrl-C prints one line naming the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 __all__ = ["EXIT_FAIL", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program stopped by Ctrl-C
 
 
 class _UsageError(Exception):
@@ -168,7 +170,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from moe_gmm.checksum import CheckpointError
     from moe_gmm.config import ConfigError, load_config
-    from moe_gmm.report.train import TrainUsageError, run_training
+    from moe_gmm.report.train import TrainInterrupted, TrainUsageError, run_training
 
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
     if not paths or any(p not in ("fused", "eager") for p in paths):
@@ -195,6 +197,9 @@ def _train(args: argparse.Namespace) -> int:
         )
     except (ConfigError, TrainUsageError, CheckpointError) as exc:
         return _usage_error(str(exc))
+    except (TrainInterrupted, KeyboardInterrupt) as exc:  # the latter: before training began
+        print(f"moe-gmm: {str(exc) or 'interrupted before training began; nothing saved'}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_OK if result.ok else EXIT_FAIL
 
 

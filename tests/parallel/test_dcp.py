@@ -8,6 +8,10 @@ A tiny Qwen3-MoE causal LM (E=8) on real gloo ranks: one 4-rank spawn saves and 
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,8 +21,17 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 transformers = pytest.importorskip("transformers")
 
 from moe_gmm.checksum import CheckpointError, tensor_digest
+from moe_gmm.integrations.transformers import register_moe_gmm_experts
 from moe_gmm.parallel import EPPlan, apply_expert_parallel, parallelize_moe, replicate_moe
-from moe_gmm.parallel.dcp import checkpoint_metadata, export_hf, import_hf, load_checkpoint, save_checkpoint
+from moe_gmm.parallel.dcp import _state as dcp_state
+from moe_gmm.parallel.dcp import (
+    checkpoint_extra,
+    checkpoint_metadata,
+    export_hf,
+    import_hf,
+    load_checkpoint,
+    save_checkpoint,
+)
 from moe_gmm.parallel.launch import run_ranks
 from tests.helpers.mesh_runs import HF_PATTERN, mesh, qwen3_moe
 
@@ -157,10 +170,12 @@ def test_replicate_moe_loads_and_saves_through_its_handle(saved):
 def test_hf_export_loads_with_from_pretrained(saved):
     root, four, _ = saved
     assert sorted(p.name for p in (root / "hf").iterdir()) == [
-        "config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json",
+        "config.json", "manifest.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json",
     ]  # fmt: skip
+    register_moe_gmm_experts()  # the export names its experts implementation; it must exist here
     hf = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", local_files_only=True)
     assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    assert hf.config._experts_implementation == "moe_gmm"  # from config.json, not the default
     state = hf.state_dict()
     assert state[EXPERT_KEY].shape == (E, 32, 32)
     saved_model = {k.removeprefix("model/"): v for k, v in four[0]["saved"].items() if k.startswith("model/")}
@@ -206,14 +221,133 @@ def test_non_finite_and_damaged_checkpoints_are_refused(tmp_path):
     save_checkpoint(tmp_path / "cut", qwen3_moe(seed=3))
     shard = tmp_path / "cut" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
-    with pytest.raises(CheckpointError, match="cut'?: unreadable"):
+    with pytest.raises(CheckpointError, match=r"cut', file __0_0\.distcp: 1000 bytes, signed with \d+"):
         load_checkpoint(tmp_path / "cut", target)
     with pytest.raises(CheckpointError, match="not a directory"):
         load_checkpoint(tmp_path / "absent", target)
-    with pytest.raises(CheckpointError, match="no readable DCP metadata"):
+    with pytest.raises(CheckpointError, match="no manifest.json"):
         load_checkpoint(tmp_path, target)
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None, got dict"):
         save_checkpoint(tmp_path / "x", target, {})
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"^directory: cannot write '.*file/ckpt\.tmp'"):
         save_checkpoint(tmp_path / "file" / "ckpt", target)
+
+
+# ----------------------------------------------------------------------------------------------
+# Signed checkpoints: one changed bit anywhere is refused, naming the file (and what it held)
+# ----------------------------------------------------------------------------------------------
+
+
+def _stepped(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = qwen3_moe(seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = _batch(2)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("signed")
+    model, optimizer = _stepped(3)
+    save_checkpoint(root / "ckpt", model, optimizer, extra={"step": 1, "losses": [4.5]})
+    export_hf(model, root / "hf")
+    return root
+
+
+def _flip_bit(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _holder(directory: Path, file: str, at: int) -> str | None:
+    """``"tensor 'fqn'"`` / ``"value 'key'"`` whose signed byte range holds byte ``at`` of ``file``."""
+    items = json.loads((directory / "manifest.json").read_text())["items"]
+    for name, entry in items.items():
+        for r in entry["ranges"]:
+            if r["file"] == file and r["offset"] <= at < r["offset"] + r["length"]:
+                return f"{entry['kind']} {name!r}"
+    return None
+
+
+FRACTIONS = (0.0, 0.13, 0.37, 0.5, 0.71, 0.93, 1.0)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("file", [".metadata", "__0_0.distcp", "manifest.json"])
+def test_one_flipped_bit_anywhere_is_refused_and_nothing_is_touched(signed, tmp_path, file, fraction):
+    shutil.copytree(signed / "ckpt", tmp_path / "ckpt")
+    size = (tmp_path / "ckpt" / file).stat().st_size
+    at = min(int(size * fraction), size - 1)
+    _flip_bit(tmp_path / "ckpt" / file, at)
+    target, optimizer = _stepped(4)
+    before = _digests(target, optimizer)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(tmp_path / "ckpt", target, optimizer)
+    message = str(info.value)
+    assert f"checkpoint {str(tmp_path / 'ckpt')!r}, file {file}: " in message, message
+    if file == "__0_0.distcp":  # every byte lies in a tensor's (or a pickled value's) range: it is named
+        assert f"{_holder(signed / 'ckpt', file, at)} does not match its sha256" in message, message
+    assert _digests(target, optimizer) == before  # model and optimizer untouched
+    with pytest.raises(CheckpointError, match=re.escape(f"file {file}")):
+        checkpoint_extra(tmp_path / "ckpt", ("step",))
+
+
+def test_every_shard_byte_range_is_named_and_the_pickled_values_are_covered(signed):
+    items = json.loads((signed / "ckpt" / "manifest.json").read_text())["items"]
+    # Step, losses and the optimizer's lr are signed like the tensors (a changed lr is refused by name).
+    assert {items[k]["kind"] for k in ("extra.step", "extra.losses", "optim.param_groups.0.lr")} == {"value"}
+    assert items[f"model.{EXPERT_KEY}"]["kind"] == "tensor"
+    ranges = sorted((r["offset"], r["length"]) for e in items.values() for r in e["ranges"])
+    size = (signed / "ckpt" / "__0_0.distcp").stat().st_size
+    covered = sum(length for _, length in ranges)
+    assert covered == size and ranges[0][0] == 0  # every byte of the shard belongs to a named item
+
+
+def test_a_forged_step_or_lr_is_refused(signed, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    shutil.copytree(signed / "ckpt", tmp_path / "ckpt")
+    items = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["items"]
+    lr = items["optim.param_groups.0.lr"]["ranges"][0]
+    _flip_bit(tmp_path / "ckpt" / lr["file"], lr["offset"] + lr["length"] - 12)
+    with pytest.raises(CheckpointError, match=r"value 'optim\.param_groups\.0\.lr' does not match its sha256"):
+        load_checkpoint(tmp_path / "ckpt", *_stepped(4))
+    # A step rewritten with DCP itself (a well-formed checkpoint, not the one signed): refused.
+    shutil.rmtree(tmp_path / "ckpt")
+    shutil.copytree(signed / "ckpt", tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "__0_0.distcp").unlink()
+    model, optimizer = _stepped(3)
+    _, state, _ = dcp_state(model, optimizer)
+    state["extra"] = {"step": 7, "losses": [4.5]}
+    with warnings.catch_warnings():  # one process, and the overwrite, are what this forgery does
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    with pytest.raises(CheckpointError, match=r"file (\.metadata|__0_0\.distcp): "):
+        checkpoint_extra(tmp_path / "ckpt", ("step",))
+
+
+def test_import_hf_verifies_the_export(signed, tmp_path):
+    shutil.copytree(signed / "hf", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["experts_implementation"] == "moe_gmm"
+    items = json.loads((tmp_path / "hf" / "manifest.json").read_text())["items"]
+    where = items[EXPERT_KEY]["ranges"][0]
+    _flip_bit(tmp_path / "hf" / where["file"], where["offset"] + 5)
+    target = qwen3_moe(seed=4)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"file {where['file']}: tensor '{EXPERT_KEY}' does not match"):
+        import_hf(target, tmp_path / "hf")
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+    # Another program's export carries no manifest: refused unless asked to read it unsigned.
+    shutil.rmtree(tmp_path / "hf")
+    shutil.copytree(signed / "hf", tmp_path / "hf")
+    (tmp_path / "hf" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        import_hf(target, tmp_path / "hf")
+    import_hf(target, tmp_path / "hf", signed=False)
+    with pytest.raises(TypeError, match="signed must be a bool, got str"):
+        import_hf(target, tmp_path / "hf", signed="no")

@@ -44,6 +44,6 @@ def test_torchrun_ep_train_example(tmp_path):
     assert "step 1: loss" in out
     diffs = [float(line.rpartition("|diff| ")[2].rstrip(")")) for line in out.splitlines() if "|diff|" in line]
     assert len(diffs) == 2 and max(diffs) < 1e-5, out
-    assert "checkpoint: ['.metadata', '__0_0.distcp', '__1_0.distcp']" in out
+    assert "checkpoint: ['.metadata', '__0_0.distcp', '__1_0.distcp', 'manifest.json']" in out
     assert "reloaded into a plain model: bitwise equal: True" in out
     assert not any(p.name.startswith("ep_ckpt_") for p in tmp_path.iterdir())  # temporary dirs cleaned up

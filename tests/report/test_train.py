@@ -64,10 +64,20 @@ def test_fused_and_eager_losses_align_and_fall(dtype, tmp_path):
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
     assert float(rows[-1]["loss_fused"]) == pytest.approx(fused[-1], abs=1e-7)
     assert max(float(r["abs_diff"]) for r in rows) == pytest.approx(result.max_abs_diff, abs=1e-9)
-    for name in ("losses.png", "train_report.md", "train_report.json", "ckpt_fused.pt", "ckpt_eager.pt", "init.pt"):
+    for name in ("losses.png", "train_report.md", "train_report.json"):
         assert (tmp_path / name).stat().st_size > 0, name
+    # One checkpoint format: signed DCP directories, nothing else.
+    assert sorted(p.name for p in tmp_path.glob("*.dcp")) == ["ckpt_eager.dcp", "ckpt_fused.dcp", "init.dcp"]
+    assert not list(tmp_path.glob("*.pt"))
+    for name in ("ckpt_eager.dcp", "ckpt_fused.dcp", "init.dcp"):
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == [".metadata", "__0_0.distcp", "manifest.json"]
+    assert result.report.meta["data_parallel_size"] == result.report.meta["expert_parallel_size"] == 1
     # The optimizer users should run: AdamW's fused kernel where the device has one (CPU does).
-    assert torch.load(tmp_path / "ckpt_fused.pt", weights_only=True)["optimizer"]["param_groups"][0]["fused"] is True
+    import torch.distributed.checkpoint as dcp
+
+    flag = {"optim.param_groups.0.fused": None}
+    dcp.load(flag, checkpoint_id=str(tmp_path / "ckpt_fused.dcp"), no_dist=True)
+    assert flag["optim.param_groups.0.fused"] is True
 
 
 def test_resume_reproduces_the_uninterrupted_losses(tmp_path):

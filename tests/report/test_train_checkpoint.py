@@ -1,85 +1,77 @@
-"""``moe-gmm train``'s checked files: round trip, and every kind of damage names the file and the tensor."""
+"""What keeps ``--out`` one run's: identity, lock, file kinds, and Ctrl-C held while a save runs."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import signal
+
 import pytest
-import torch
-from torch import nn
 
-from moe_gmm.checksum import CheckpointError
-from moe_gmm.report.train_checkpoint import check_state, load_checked, save_checked
-
-
-def _payload() -> tuple[nn.Module, dict]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    return model, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1, "losses": [1.0]}
-
-
-def test_round_trip_keeps_every_tensor_bitwise(tmp_path):
-    model, payload = _payload()
-    save_checked(tmp_path / "c.pt", payload)
-    state = load_checked(tmp_path / "c.pt", ("model", "optimizer"))
-    assert set(state) == {"model", "optimizer", "step", "losses"}
-    for key, value in payload["model"].items():
-        assert torch.equal(state["model"][key], value)
-    assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], payload["optimizer"]["state"][0]["exp_avg"])
-    check_state(state["model"], model.state_dict(), tmp_path / "c.pt")
-    assert not list(tmp_path.glob("*.tmp"))
-
-
-def _damaged(tmp_path, edit):
-    _, payload = _payload()
-    save_checked(tmp_path / "c.pt", payload)
-    raw = torch.load(tmp_path / "c.pt", weights_only=True)
-    edit(raw)
-    torch.save(raw, tmp_path / "c.pt")
-    return tmp_path / "c.pt"
-
-
-@pytest.mark.parametrize(
-    ("edit", "match"),
-    [
-        (lambda s: s["model"]["0.weight"].add_(1e-6), r"tensor 'model/0\.weight' does not match its checksum"),
-        (lambda s: s["optimizer"]["state"][1]["exp_avg_sq"].fill_(float("nan")), r"'optimizer/state/1/exp_avg_sq'"),
-        (lambda s: s["model"].pop("1.bias"), r"tensor 'model/1\.bias' is missing"),
-        (lambda s: s["model"].update(extra=torch.zeros(1)), r"tensor 'model/extra' has no checksum"),
-        (lambda s: s.pop("checksums"), r"no \['checksums'\]"),
-        (lambda s: s.pop("optimizer"), r"no \['optimizer'\]"),
-        (lambda s: s.update(checksums=[1]), r"checksums is a list"),
-    ],
+from moe_gmm.config import ParallelConfig, RunConfig, TrainingConfig
+from moe_gmm.report.train_checkpoint import (
+    LOCK_FILE,
+    OutDirError,
+    check_out_kinds,
+    check_run_identity,
+    deferred_interrupt,
+    lock_out_dir,
+    run_identity,
 )
-def test_damage_names_the_file_and_the_tensor(tmp_path, edit, match):
-    path = _damaged(tmp_path, edit)
-    with pytest.raises(CheckpointError, match=match) as info:
-        load_checked(path, ("model", "optimizer"))
-    assert str(path) in str(info.value)
 
 
-@pytest.mark.parametrize("content", [b"", b"\x00" * 100, b"PK\x03\x04 not a zip"])
-def test_unreadable_files_are_checkpoint_errors(tmp_path, content):
-    (tmp_path / "c.pt").write_bytes(content)
-    with pytest.raises(CheckpointError, match=r"c\.pt.*cannot be read"):
-        load_checked(tmp_path / "c.pt", ("model",))
-    with pytest.raises(CheckpointError, match="no such file"):
-        load_checked(tmp_path / "missing.pt", ("model",))
+def test_identity_ignores_the_mesh_and_the_length_and_names_what_differs():
+    cfg = RunConfig()
+    saved = run_identity(cfg)
+    resumable = dataclasses.replace(
+        cfg, parallel=ParallelConfig(expert_parallel_size=2), training=TrainingConfig(steps=99, checkpoint_every=3)
+    )
+    assert check_run_identity(saved, resumable, "ckpt") is None
+    assert check_run_identity(saved, dataclasses.replace(cfg, seed=1), "ckpt") == (
+        "ckpt belongs to another run: seed 0 there, 1 here"
+    )
+    other_lr = dataclasses.replace(cfg, training=TrainingConfig(lr=2e-3))
+    assert check_run_identity(saved, other_lr, "ckpt") == (
+        "ckpt belongs to another run: the config differs in training.lr (0.001 there, 0.002 here)"
+    )
+    assert "carries no run identity" in check_run_identity(None, cfg, "ckpt")
+    assert "carries no run identity" in check_run_identity('{"seed": 0}', cfg, "ckpt")
 
 
-def test_a_state_that_does_not_fit_the_model_is_refused_before_any_copy(tmp_path):
-    model, payload = _payload()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    state = dict(payload["model"])
-    state["1.weight"] = torch.zeros(2, 4)
-    with pytest.raises(
-        CheckpointError, match=r"tensor '1\.weight' is \(2, 4\) torch\.float32, the model's is \(2, 3\)"
-    ):
-        check_state(state, model.state_dict(), tmp_path / "c.pt")
-    state["1.weight"] = payload["model"]["1.weight"].double()
-    with pytest.raises(CheckpointError, match=r"torch\.float64, the model's is \(2, 3\) torch\.float32"):
-        check_state(state, model.state_dict(), tmp_path / "c.pt")
-    with pytest.raises(CheckpointError, match=r"tensor '0\.bias' of the model is missing"):
-        check_state({k: v for k, v in payload["model"].items() if k != "0.bias"}, model.state_dict(), tmp_path / "c.pt")
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+def test_a_held_lock_refuses_a_second_holder_naming_the_first(tmp_path):
+    with lock_out_dir(tmp_path):
+        # flock belongs to an open file: a second open in this very process is refused like another run.
+        with pytest.raises(OutDirError, match=rf"is in use by another moe-gmm train \(pid {os.getpid()}\)"):
+            with lock_out_dir(tmp_path):
+                pass
+    with lock_out_dir(tmp_path):  # released on exit
+        pass
+
+
+def test_a_lock_file_left_by_a_dead_run_is_not_a_lock(tmp_path):
+    (tmp_path / LOCK_FILE).write_text("4194303\n")  # no flock held on it: whoever wrote it is gone
+    with lock_out_dir(tmp_path):
+        assert (tmp_path / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+
+
+def test_names_of_the_wrong_kind_are_refused(tmp_path):
+    (tmp_path / "losses.csv").mkdir()
+    (tmp_path / "init.dcp").write_text("")
+    with pytest.raises(OutDirError, match=r"losses\.csv is a directory; the run writes a file there"):
+        check_out_kinds(tmp_path, ("losses.csv",), ("init.dcp",))
+    with pytest.raises(OutDirError, match=r"init\.dcp is a file; the run writes a checkpoint directory there"):
+        check_out_kinds(tmp_path, ("absent.csv",), ("init.dcp",))
+    check_out_kinds(tmp_path, ("absent.csv",), ("absent.dcp",))
+
+
+def test_ctrl_c_inside_a_save_waits_for_its_end():
+    finished = []
+    previous = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            finished.append(True)  # reached: the signal did not cut the block
+    assert finished == [True]
+    assert signal.getsignal(signal.SIGINT) is previous
+    with deferred_interrupt():  # no signal: nothing raised
+        pass

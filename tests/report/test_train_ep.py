@@ -71,7 +71,9 @@ def test_torchrun_dp2_ep2_resumes_at_1x4_with_the_same_losses(tmp_path):
     assert tuple(metadata["model.model.layers.0.mlp.experts.gate_up_proj"].size) == (8, 64, 64)
     assert "optim.state.model.layers.1.mlp.experts.down_proj.exp_avg_sq" in metadata
     # The report names the sharded experts and the backend their local grouped matmuls run on.
-    rows = json.loads((out / "train_report.json").read_text())["rows"]
+    report = json.loads((out / "train_report.json").read_text())
+    assert (report["meta"]["data_parallel_size"], report["meta"]["expert_parallel_size"]) == (2, 2)  # the mesh's
+    rows = report["rows"]
     (experts,) = [r for r in rows if r["section"] == "experts (implementation: backend)"]
     assert experts["fused"].startswith("moe_gmm expert parallel: ") and not experts["fused"].endswith(": eager")
 
@@ -88,7 +90,7 @@ def test_torchrun_dp2_ep2_resumes_at_1x4_with_the_same_losses(tmp_path):
     alone = _losses(out / "losses.csv")
     assert alone[:3] == pytest.approx(resumed[0], abs=1e-8)
     assert alone == pytest.approx(single.losses["fused"], rel=1e-5, abs=1e-6)
-    assert sorted(p.name for p in out.glob("ckpt_*")) == ["ckpt_fused.pt"]  # the older DCP one is gone
+    assert sorted(p.name for p in out.glob("ckpt_*")) == ["ckpt_fused.dcp"]  # one format, one process or many
 
 
 def test_mesh_shape_must_match_the_processes(tmp_path, monkeypatch, capsys):

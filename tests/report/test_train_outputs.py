@@ -24,7 +24,7 @@ def _experts(path: str, backend: str) -> list[ExpertsDescription]:
 
 def _report(step_ms, phases=None, experts=None):
     phases = phases if phases is not None else {p: {} for p in step_ms}
-    return loss_report(RunConfig(), LOSSES, step_ms, phases, torch.float32, 1, experts)[0]
+    return loss_report(RunConfig(), LOSSES, step_ms, phases, torch.float32, (1, 1), experts)[0]
 
 
 def test_step_time_leaves_out_step_one_and_flags_a_noisy_run():

@@ -10,8 +10,8 @@ Typical use (every rank; ``torchrun --nproc-per-node dp*ep``)::
         par.normalize_loss(loss_sum, batch.num_tokens).backward()  # / tokens over all ranks
         par.clip_grad_norm_(1.0)                                 # norm over every mesh
         optimizer.step(); optimizer.zero_grad()
-    save_checkpoint("ckpt/", par.model, optimizer)              # DCP: loads at any (dp, ep)
-    export_hf(par.model, "hf/")                                  # safetensors for from_pretrained
+    save_checkpoint("ckpt/", par, optimizer)                    # signed DCP: loads at any (dp, ep)
+    export_hf(par, "hf/")                                        # signed safetensors for from_pretrained
 
 Experts are DTensor ``Shard(0)`` on ``mesh["ep"]`` and FSDP over ``dp``; dense layers FSDP over all
 ranks; every reduction a sum, so the gradients equal one process on the concatenated batch.

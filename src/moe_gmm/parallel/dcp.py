@@ -14,20 +14,33 @@ global shape (``Shard(0)`` on ep, replicated over the data dims) for the save an
 module holding plain shards is refused: DCP would record the local ``[E / ep, ., .]`` as the
 global shape and silently keep one rank's experts.
 
-Loading checks the checkpoint's metadata against the target first (every key present, every
-shape and dtype equal, experts holding E rows), reads into fresh buffers, refuses non-finite
-values, and only then copies into the model and optimizer. Every failure is a
-:class:`~moe_gmm.checksum.CheckpointError` naming the directory, and where one is to blame the file
-and the tensor, raised on every rank together.
+Every checkpoint is signed: once DCP has written every rank's files, rank 0 adds a
+``manifest.json`` (:mod:`moe_gmm.checksum`) with the sha256 of each file and of each tensor chunk
+and pickled value at the byte range DCP's metadata gives it, so the step, the losses and the
+optimizer's ``lr`` are covered as much as the weights. The directory is written beside the old one
+and renamed into place once signed.
+
+Loading verifies the manifest first (nothing is read from an unsigned or changed file), then
+checks the metadata against the target (every key present, every shape and dtype equal, experts
+holding E rows), reads into fresh buffers, refuses non-finite values, and only then copies into
+the model and optimizer. Every failure is a :class:`~moe_gmm.checksum.CheckpointError` naming the
+directory, and where one is to blame the file and the tensor, raised on every rank together.
 
 :func:`export_hf` / :func:`import_hf` go through DCP's Hugging Face storage writer and reader:
-consolidated ``model-*.safetensors`` files that ``from_pretrained`` loads.
+consolidated ``model-*.safetensors`` files that ``from_pretrained`` loads, signed the same way
+(tensor ranges from the safetensors header), with ``experts_implementation`` in ``config.json`` so
+``from_pretrained`` runs the experts the way the exported model did.
+
+The one way to call them: pass the handle ``parallelize_moe`` / ``replicate_moe`` returned (or a
+plain module in one process), e.g. ``save_checkpoint("ckpt", par, optimizer, extra={"step": 3})``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +52,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -49,11 +62,19 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from moe_gmm.checksum import CheckpointError
+from moe_gmm.checksum import ByteRange, CheckpointError, verify_manifest, write_manifest
 from moe_gmm.parallel.layout import EXPERT_PARAMS
 from moe_gmm.parallel.mesh import MoeMesh, ParallelizedMoe
 
-__all__ = ["checkpoint_extra", "checkpoint_metadata", "export_hf", "import_hf", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "checkpoint_extra",
+    "checkpoint_metadata",
+    "export_hf",
+    "import_hf",
+    "load_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
 
 
 def _distributed() -> bool:
@@ -164,12 +185,13 @@ def save_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
 ) -> None:
-    """Write ``model`` (and ``optimizer``'s state, and ``extra``) to the DCP directory ``directory``.
+    """Write ``model`` (and ``optimizer``'s state, and ``extra``) to the DCP directory ``directory``, signed.
 
-    Collective over the default process group when one exists (every rank writes its shards);
-    one process otherwise. ``extra``: small picklable values (step, losses) restored by
-    :func:`load_checkpoint`. The directory is written beside the old one and swapped in once
-    complete, so a run killed while saving keeps its previous checkpoint.
+    ``model``: the handle ``parallelize_moe`` / ``replicate_moe`` returned, or a plain module in
+    one process. Collective over the default process group when one exists (every rank writes its
+    shards); one process otherwise. ``extra``: small picklable values (step, losses) restored by
+    :func:`load_checkpoint`. The directory is written and signed beside the old one and swapped in
+    once complete, so a run killed while saving keeps its previous checkpoint.
     """
     _, state, _ = _state(model, optimizer)
     if extra is not None:
@@ -189,6 +211,7 @@ def save_checkpoint(
     _agree(problem, ValueError)  # the other ranks would otherwise wait for rank 0 until the timeout
     _dcp(dcp.save, state, checkpoint_id=str(tmp))
     if main:  # every rank's files and the metadata are written when save returns
+        _sign_dcp(tmp)
         shutil.rmtree(old, ignore_errors=True)
         if path.exists():
             path.rename(old)
@@ -198,11 +221,33 @@ def save_checkpoint(
         dist.barrier()
 
 
+def _sign_dcp(directory: Path) -> None:
+    """``manifest.json`` over the files DCP wrote and the byte range of every item its metadata indexes."""
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    items: dict[str, list[ByteRange]] = {}
+    for index, info in sorted((metadata.storage_data or {}).items(), key=lambda kv: (kv[0].fqn, str(kv[0].offset))):
+        items.setdefault(index.fqn, []).append(ByteRange(info.relative_path, info.offset, info.length))
+    values = frozenset(k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata))
+    write_manifest(directory, items, values)
+
+
+def verify_checkpoint(directory: str | os.PathLike) -> None:
+    """Check every byte of a signed checkpoint against its ``manifest.json``.
+
+    :class:`CheckpointError` names the file and the tensor that changed.
+
+    :func:`load_checkpoint`, :func:`checkpoint_extra` and :func:`checkpoint_metadata` call it first.
+    """
+    verify_manifest(directory)
+
+
 def checkpoint_metadata(directory: str | os.PathLike) -> Metadata:
-    """The DCP metadata of ``directory`` (keys, global shapes, dtypes, files); :class:`CheckpointError` if unreadable."""
+    """The DCP metadata of ``directory`` (keys, global shapes, dtypes, files), verified against its manifest.
+
+    :class:`CheckpointError` if unsigned, changed or unreadable.
+    """
     path = Path(directory)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {str(path)!r}: not a directory")
+    verify_checkpoint(path)
     try:
         return dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - a missing or damaged .metadata raises many types
@@ -328,7 +373,8 @@ def export_hf(model: nn.Module | ParallelizedMoe, directory: str | os.PathLike) 
     Collective over the default process group when one exists; works on a parallelized model
     (every rank writes its shards, then they are merged into whole tensors) or a plain one. A
     Hugging Face model's parameters are its checkpoint's layout, so ``from_pretrained(directory)``
-    loads the result.
+    loads the result; ``config.json`` records the model's ``experts_implementation``, so it runs the
+    same experts path (register it in the loading process first). Signed like a checkpoint.
     """
     model, state, _ = _state(model, None)
     state = state["model"]
@@ -341,21 +387,55 @@ def export_hf(model: nn.Module | ParallelizedMoe, directory: str | os.PathLike) 
         shutil.rmtree(path / "sharded", ignore_errors=True)
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(str(path))
+            _save_config(config, path)
+        write_manifest(path, _safetensors_items(path))
     if _distributed():
         dist.barrier()
 
 
+def _save_config(config: Any, path: Path) -> None:
+    """``config.json`` with the experts implementation, which ``save_pretrained`` leaves out."""
+    config.save_pretrained(str(path))
+    impl = getattr(config, "_experts_implementation", None)
+    if isinstance(impl, str):
+        file = path / "config.json"
+        data = json.loads(file.read_text())
+        data["experts_implementation"] = impl
+        tmp = file.with_name(file.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, file)
+
+
+def _safetensors_items(path: Path) -> dict[str, list[ByteRange]]:
+    """The byte range of every tensor in the ``*.safetensors`` files of ``path``, from their headers."""
+    items: dict[str, list[ByteRange]] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))  # the format: u64 header length, JSON header, data
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                begin, end = info["data_offsets"]
+                items.setdefault(name, []).append(ByteRange(file.name, 8 + size + begin, end - begin))
+    return items
+
+
 @torch.no_grad()
-def import_hf(model: nn.Module | ParallelizedMoe, directory: str | os.PathLike) -> None:
+def import_hf(model: nn.Module | ParallelizedMoe, directory: str | os.PathLike, *, signed: bool = True) -> None:
     """Load Hugging Face safetensors (e.g. from :func:`export_hf` or ``save_pretrained``) into ``model``.
 
-    ``model`` may be parallelized (each rank reads its shards) or plain. Shapes and dtypes are
-    checked against the files first and non-finite values refused, as in :func:`load_checkpoint`.
+    ``model`` may be parallelized (each rank reads its shards) or plain. The files are verified
+    against :func:`export_hf`'s ``manifest.json`` first; ``signed=False`` reads another program's
+    export, which carries none. Shapes and dtypes are checked against the files and non-finite
+    values refused, as in :func:`load_checkpoint`.
     """
-    module, state, wrapped = _state(model, None)
+    if not isinstance(signed, bool):
+        raise TypeError(f"signed must be a bool, got {type(signed).__name__}")
     path = Path(directory)
     where = f"checkpoint {str(path)!r}"
+    if signed:
+        verify_manifest(path)
+    module, state, wrapped = _state(model, None)
     reader = dcp.HuggingFaceStorageReader(str(path))
     try:
         metadata = reader.read_metadata()

@@ -42,6 +42,14 @@ class Runtime:
     def distributed(self) -> bool:
         return self.world > 1
 
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """``(dp, ep)``: the mesh's sizes, ``(1, 1)`` for one process."""
+        if self.mesh is None:
+            return (1, 1)
+        dp, ep = self.mesh.shape
+        return (dp, ep)
+
 
 def setup_runtime(cfg: RunConfig) -> Runtime:
     """Check the mesh shape against ``$WORLD_SIZE``, join the process group and build the mesh when N > 1."""

@@ -1,24 +1,25 @@
 """``moe-gmm train``: a short run of a tiny Qwen3.5-MoE text model on the fused and the eager path.
 
-Both paths start from the same random initial weights (saved once as ``init.pt``) and see the same
+Both paths start from the same random initial weights (saved once as ``init.dcp``) and see the same
 deterministic synthetic batches, so their loss curves may differ only by the grouped matmul's
 rounding. The model is the real ``transformers`` ``Qwen3_5MoeForCausalLM`` built from the config
 (no downloads); its experts run through the ``"moe_gmm"`` experts implementation, fused or on the
 eager per-expert loop.
 
 Outputs in ``out_dir``: ``losses.csv``, ``losses.png``, ``train_report.{md,json}``, one checkpoint
-per path (``ckpt_<path>.pt``, model + optimizer + losses; ``--resume`` continues from it and
-reproduces the losses of an uninterrupted run). ``init.pt`` and the checkpoints carry a checksum per
-tensor (:mod:`moe_gmm.report.train_checkpoint`); a damaged one is a usage error before any step.
-Under ``torchrun`` the checkpoints are DCP directories (``ckpt_<path>.dcp``, see
-:mod:`moe_gmm.report.distributed`), resumable at any other (dp, ep) or in one process.
+per path (``ckpt_<path>.dcp``: model, optimizer, step, losses and the run's identity; ``--resume``
+continues from it and reproduces the losses of an uninterrupted run). Every checkpoint, ``init.dcp``
+included, is one format in one process and under ``torchrun``: a signed DCP directory
+(:mod:`moe_gmm.parallel.dcp`), resumable at any other (dp, ep) or in one process. A damaged one, or
+one of another run (seed, config), is a usage error before any step; the folder is locked for the
+run and Ctrl-C stops it between checkpoints (:mod:`moe_gmm.report.train_checkpoint`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,10 +42,17 @@ from moe_gmm.report.distributed import (
 )
 from moe_gmm.report.model import Report
 from moe_gmm.report.timing import measure_phases, synchronize
-from moe_gmm.report.train_checkpoint import check_state, load_checked, save_checked
+from moe_gmm.report.train_checkpoint import (
+    OutDirError,
+    check_out_kinds,
+    check_run_identity,
+    deferred_interrupt,
+    lock_out_dir,
+    run_identity,
+)
 from moe_gmm.report.train_outputs import loss_report, write_outputs
 
-__all__ = ["TrainResult", "TrainUsageError", "build_model", "run_training", "synthetic_batch"]
+__all__ = ["TrainInterrupted", "TrainResult", "TrainUsageError", "build_model", "run_training", "synthetic_batch"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PATHS = ("fused", "eager")
@@ -54,7 +62,12 @@ class TrainUsageError(ValueError):
     """The run cannot start as asked (no checkpoint to resume from, no CUDA...): exit code 2."""
 
 
-_CKPT_PARTS = ("model", "optimizer", "step", "losses", "step_ms")
+class TrainInterrupted(Exception):
+    """Ctrl-C stopped the run; the message names the last complete checkpoint of each path (exit code 130)."""
+
+
+INIT = "init.dcp"
+_PROGRESS = ("step", "losses", "step_ms", "run")
 
 
 @dataclass
@@ -175,11 +188,11 @@ class _Run:
     out: Path
     init_state: dict[str, torch.Tensor]
     experts: dict[str, list] = field(default_factory=dict)  # path -> describe_experts(model), for the report
+    saved: dict[str, tuple[Path, int]] = field(default_factory=dict)  # path -> its last complete checkpoint
 
     def model(self, path: str, state: dict | None = None) -> tuple[torch.nn.Module, ParallelizedMoe | None]:
-        """The model for ``path`` from ``init.pt``, parallelized on the mesh, then ``state`` loaded."""
+        """The model for ``path`` from ``init.dcp``, parallelized on the mesh, then ``state`` loaded."""
         model = build_model(self.cfg, path)
-        check_state(self.init_state, model.state_dict(), self.out / "init.pt")
         model.load_state_dict(self.init_state)
         model.to(device=self.device, dtype=self.dtype).train()
         fused = path == "fused" and self.cfg.model.use_grouped_expert_matmul
@@ -189,13 +202,8 @@ class _Run:
         return model, par
 
     def checkpoint(self, path: str) -> Path:
-        # Under torchrun a DCP directory, whose layout does not depend on the (dp, ep) it was saved at.
-        return self.out / (f"ckpt_{path}.dcp" if self.rt.distributed else f"ckpt_{path}.pt")
-
-    def resume_from(self, path: str) -> Path:
-        """The checkpoint ``--resume`` reads: one process also continues a torchrun run's DCP directory."""
-        own, dcp_dir = self.checkpoint(path), self.out / f"ckpt_{path}.dcp"
-        return dcp_dir if not own.exists() and dcp_dir.exists() else own
+        # A DCP directory, whose layout does not depend on the (dp, ep) it was saved at.
+        return self.out / f"ckpt_{path}.dcp"
 
     def step(self, model, par: ParallelizedMoe | None, opt, step: int) -> float:
         ids = local_rows(synthetic_batch(self.cfg, step), self.rt).to(self.device)
@@ -209,65 +217,57 @@ class _Run:
         return mean_over_ranks(float(loss.detach()), self.rt, self.device)
 
 
-def _save(run: _Run, path: Path, model, opt, step: int, losses: list[float], step_ms: list[float]) -> None:
-    progress = {"step": step, "losses": losses, "step_ms": step_ms}
-    if run.rt.distributed:
-        from moe_gmm.parallel.dcp import save_checkpoint
+def _save(run: _Run, path: str, model, par, opt, step: int, losses: list[float], step_ms: list[float]) -> None:
+    from moe_gmm.parallel.dcp import save_checkpoint
 
-        save_checkpoint(path, model, opt, extra=progress)
-    else:
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-        save_checked(path, {**state, **progress})
-    if run.rt.is_main:  # the other format's checkpoint of this path is older now: --resume must not pick it
-        other = path.with_suffix(".pt" if run.rt.distributed else ".dcp")
-        if other.is_dir():
-            shutil.rmtree(other)
-        else:
-            other.unlink(missing_ok=True)
+    extra = {"step": step, "losses": losses, "step_ms": step_ms, "run": run_identity(run.cfg)}
+    with deferred_interrupt():  # Ctrl-C here waits until the checkpoint is signed, in place and recorded
+        save_checkpoint(run.checkpoint(path), par if par is not None else model, opt, extra=extra)
+        run.saved[path] = (run.checkpoint(path), step)
 
 
-def _resume_state(run: _Run, path: str, steps: int) -> dict:
-    """The checked checkpoint of ``path``: readable, every checksum right, short of ``steps``."""
-    ckpt_path = run.resume_from(path)
+def _check_identity(run_cfg: RunConfig, saved: object, ckpt: Path) -> None:
+    problem = check_run_identity(saved, run_cfg, f"checkpoint {str(ckpt)!r}")
+    if problem is not None:
+        raise TrainUsageError(f"--resume: {problem}; resume it with its own config, or train into another --out")
+
+
+def _resume_state(run: _Run, path: str) -> dict:
+    """The verified progress of ``path``'s checkpoint: signed, of this run, step and losses agreeing."""
+    from moe_gmm.parallel.dcp import checkpoint_extra
+
+    ckpt_path = run.checkpoint(path)
     if not ckpt_path.exists():
         raise TrainUsageError(f"--resume: no checkpoint {ckpt_path} (run without --resume first)")
-    if ckpt_path.suffix == ".dcp":  # the progress now; model and optimizer once the model is built
-        from moe_gmm.parallel.dcp import checkpoint_extra
-
-        state = checkpoint_extra(ckpt_path, ("step", "losses", "step_ms"))
-    else:
-        state = load_checked(ckpt_path, _CKPT_PARTS)
+    state = checkpoint_extra(ckpt_path, _PROGRESS)  # every byte checked against its manifest first
+    _check_identity(run.cfg, state["run"], ckpt_path)
     losses, step_ms = state["losses"], state["step_ms"]
     if not (isinstance(losses, list) and isinstance(step_ms, list) and len(losses) == len(step_ms) == state["step"]):
         raise CheckpointError(f"checkpoint {str(ckpt_path)!r}: step, losses and step_ms disagree")
-    if len(losses) >= steps:
-        raise TrainUsageError(f"--resume: checkpoint {ckpt_path} is already at step {len(losses)} >= --steps {steps}")
-    if ckpt_path.suffix == ".pt":  # an unsharded model: its shapes are init.pt's, so check them now
-        expected = {k: torch.empty(v.shape, dtype=run.dtype, device="meta") for k, v in run.init_state.items()}
-        check_state(state["model"], expected, ckpt_path)
+    run.saved[path] = (ckpt_path, state["step"])
     return state
 
 
+def _check_resume_steps(run: _Run, states: dict[str, dict], steps: int) -> None:
+    """Something must be left to train, and no checkpoint may be past ``steps`` (a path already done is kept)."""
+    done = {path: len(state["losses"]) for path, state in states.items()}
+    path = max(done, key=done.get)
+    if done[path] > steps or all(n >= steps for n in done.values()):
+        raise TrainUsageError(
+            f"--resume: checkpoint {run.checkpoint(path)} is already at step {done[path]} >= --steps {steps}"
+        )
+
+
 def _run_path(run: _Run, path: str, steps: int, state: dict | None, progress, profile_steps: int) -> tuple:
+    from moe_gmm.parallel.dcp import load_checkpoint
+
     model, par = run.model(path)
     run.experts[path] = describe_experts(model)
     opt = _optimizer(run.cfg, model)
-    ckpt_path = run.checkpoint(path)
     losses: list[float] = []
     step_ms: list[float] = []
-    source = run.resume_from(path)
-    if state is not None and source.suffix == ".dcp":
-        from moe_gmm.parallel.dcp import load_checkpoint
-
-        load_checkpoint(source, model, opt)  # shapes, E and finite values checked before any copy
-        losses, step_ms = list(state["losses"]), list(state["step_ms"])
-    elif state is not None:
-        check_state(state["model"], model.state_dict(), ckpt_path)  # before anything is copied
-        model.load_state_dict(state["model"])
-        try:
-            opt.load_state_dict(state["optimizer"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {str(ckpt_path)!r}: optimizer state does not fit ({exc})") from None
+    if state is not None:  # every byte, shape, E and finite value checked before any copy
+        load_checkpoint(run.checkpoint(path), par if par is not None else model, opt)
         losses, step_ms = list(state["losses"]), list(state["step_ms"])
     task = progress.add_task(f"train {path}", total=steps, completed=len(losses))
     every = run.cfg.training.checkpoint_every
@@ -282,7 +282,7 @@ def _run_path(run: _Run, path: str, steps: int, state: dict | None, progress, pr
                 from moe_gmm.parallel.guards import verify_replicas
 
                 verify_replicas(model, None, what=f"train {path} at step {step}")
-            _save(run, ckpt_path, model, opt, step, losses, step_ms)
+            _save(run, path, model, par, opt, step, losses, step_ms)
     if not profile_steps:
         return losses, step_ms, {}
     # Phase breakdown on a copy, so profiling does not move the trained weights.
@@ -323,43 +323,107 @@ def run_training(
     if "fused" in paths:
         _check_backend(cfg)
     out = Path(out_dir)
-    if resume and not (out / "init.pt").exists():
-        raise TrainUsageError(f"--resume: no {out / 'init.pt'} (run without --resume first)")
     try:
         writable_directory(out, "--out")
+        check_out_kinds(out, _OUT_FILES, _out_directories(paths))
     except ValueError as exc:
         raise TrainUsageError(str(exc)) from None
+    if resume and not (out / INIT).exists():
+        raise TrainUsageError(f"--resume: no {out / INIT} (run without --resume first)")
     rt = setup_runtime(cfg)
+    saved: dict[str, tuple[Path, int]] = {}
     try:
-        steps = steps or cfg.training.steps
-        if rt.is_main and not resume:
-            save_checked(out / "init.pt", {"model": build_model(cfg, "eager").state_dict()})
-        _barrier(rt)
-        init_state = load_checked(out / "init.pt", ("model",))["model"]
-        run = _Run(cfg, rt, torch.device(cfg.device), _DTYPES[cfg.dtype], out, init_state)
-        # Every checkpoint is checked before the first step, so a damaged one never costs a run.
-        states = {path: _resume_state(run, path, steps) if resume else None for path in paths}
-        console = console or wide_console()
-        losses, step_ms, phases = {}, {}, {}
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=False, disable=not rt.is_main) as progress:
-            for path in paths:
-                state = states.pop(path)
-                losses[path], step_ms[path], phases[path] = _run_path(run, path, steps, state, progress, profile_steps)
-        report, max_diff = loss_report(cfg, losses, step_ms, phases, run.dtype, rt.world, run.experts)
-        files: dict[str, Path] = {}
-        if rt.is_main:
-            files = write_outputs(report, out, losses, step_ms)
-            render_terminal(report, console)
-            for name, p in files.items():
-                console.print(f"wrote {p}  [dim]({name})[/dim]")
-        _barrier(rt)
+        with _locked(out, rt):
+            steps = steps or cfg.training.steps
+            init = _init_state(cfg, out, resume)
+            run = _Run(cfg, rt, torch.device(cfg.device), _DTYPES[cfg.dtype], out, init, saved=saved)
+            # Every checkpoint is checked before the first step, so a damaged one never costs a run.
+            states = {path: _resume_state(run, path) for path in paths} if resume else {}
+            if states:
+                _check_resume_steps(run, states, steps)
+            console = console or wide_console()
+            losses, step_ms, phases = {}, {}, {}
+            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            with Progress(*columns, console=console, transient=False, disable=not rt.is_main) as progress:
+                for path in paths:
+                    state = states.pop(path, None)
+                    run_out = _run_path(run, path, steps, state, progress, profile_steps)
+                    losses[path], step_ms[path], phases[path] = run_out
+            report, max_diff = loss_report(cfg, losses, step_ms, phases, run.dtype, rt.mesh_shape, run.experts)
+            files: dict[str, Path] = {}
+            if rt.is_main:
+                files = write_outputs(report, out, losses, step_ms)
+                render_terminal(report, console)
+                for name, p in files.items():
+                    console.print(f"wrote {p}  [dim]({name})[/dim]")
+            _barrier(rt)
+    except KeyboardInterrupt:
+        raise TrainInterrupted(_interrupted(saved)) from None
     finally:
         if rt.distributed:
             import torch.distributed as dist
 
             dist.destroy_process_group()
     return TrainResult(losses, step_ms, max_diff, report, files)
+
+
+_OUT_FILES = (
+    "losses.csv", "losses.png", "train_report.md", "train_report.json", "report.md", "report.json", ".lock",
+)  # fmt: skip
+
+
+def _out_directories(paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Every checkpoint directory the run may write, with the names its atomic swap uses."""
+    names = [INIT, *(f"ckpt_{p}.dcp" for p in paths)]
+    return tuple(n + suffix for n in names for suffix in ("", ".tmp", ".old"))
+
+
+@contextlib.contextmanager
+def _locked(out: Path, rt: Runtime):
+    """Hold ``--out``'s lock (rank 0 takes it; every rank learns whether it could) for the block."""
+    with contextlib.ExitStack() as stack:
+        problem = None
+        if rt.is_main:
+            try:
+                stack.enter_context(lock_out_dir(out))
+            except OutDirError as exc:
+                problem = str(exc)
+        problem = _first_problem(problem, rt)
+        if problem is not None:
+            raise TrainUsageError(problem)
+        yield
+
+
+def _first_problem(problem: str | None, rt: Runtime) -> str | None:
+    """Rank 0's ``problem`` on every rank (a rank raising alone would leave the others waiting)."""
+    if not rt.distributed:
+        return problem
+    import torch.distributed as dist
+
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _init_state(cfg: RunConfig, out: Path, resume: bool) -> dict[str, torch.Tensor]:
+    """The initial weights both paths start from: written to ``init.dcp`` by a new run, read back by every run."""
+    from moe_gmm.parallel.dcp import load_checkpoint, save_checkpoint
+
+    model = build_model(cfg, "eager")
+    if not resume:
+        with deferred_interrupt():
+            save_checkpoint(out / INIT, model, extra={"run": run_identity(cfg)})
+    extra = load_checkpoint(out / INIT, model)  # verified against its manifest; the same weights on every rank
+    _check_identity(cfg, extra.get("run"), out / INIT)
+    return model.state_dict()
+
+
+def _interrupted(saved: dict[str, tuple[Path, int]]) -> str:
+    """The one line Ctrl-C prints: where to resume from."""
+    if not saved:
+        return "interrupted before the first checkpoint; nothing to resume"
+    complete = ", ".join(f"{ckpt} (step {step})" for ckpt, step in saved.values())
+    return f"interrupted; last complete checkpoint intact: {complete}; continue with --resume"
 
 
 def _check_backend(cfg: RunConfig) -> None:

@@ -1,94 +1,136 @@
-"""``moe-gmm train``'s own files (``init.pt``, ``ckpt_<path>.pt``): saved with a checksum per tensor, verified on load.
+"""What keeps ``moe-gmm train``'s ``--out`` folder one run's: its identity, its lock, its file kinds, Ctrl-C.
 
-A file is a ``torch.save`` dict plus ``"checksums"``: the sha256 of every tensor in it, keyed by the
-tensor's place (``model/lm_head.weight``, ``optimizer/state/3/exp_avg``). Loading refuses, with a
-:class:`~moe_gmm.checksum.CheckpointError` naming the file and the tensor, a file that cannot be
-read, lacks a part, has a tensor without its checksum or whose bytes changed, or (checked against
-the model before anything is copied) a tensor missing, unexpected, or of another shape or dtype.
+- **Run identity**: the seed and every config value a resume must share (all but the mesh,
+  ``training.steps`` and ``training.checkpoint_every``), stored in each checkpoint's signed extras;
+  ``--resume`` refuses a checkpoint of another seed or config, naming the keys that differ.
+- **Lock**: ``--out/.lock`` held with ``flock`` for the whole run, so a second run on the same
+  folder is refused. The kernel drops the lock when its holder exits, however it exits, so a lock
+  file left behind by a killed run is never stale.
+- **Kinds**: every name the run writes must be absent or of the kind it writes (a directory named
+  ``losses.csv`` is a usage error before the first step, not a traceback after the last).
+- **Ctrl-C while saving** is held until the checkpoint is complete and signed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
+import json
 import os
-from collections.abc import Iterator, Mapping
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
+from moe_gmm.config import RunConfig, config_to_dict
 
-from moe_gmm.checksum import CheckpointError, tensor_digest
+__all__ = [
+    "LOCK_FILE",
+    "OutDirError",
+    "check_out_kinds",
+    "check_run_identity",
+    "deferred_interrupt",
+    "lock_out_dir",
+    "run_identity",
+]
 
-__all__ = ["check_state", "load_checked", "save_checked"]
-
-CHECKSUMS = "checksums"
-
-
-def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _tensors(value, f"{prefix}/{key}" if prefix else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from _tensors(value, f"{prefix}/{i}" if prefix else str(i))
+LOCK_FILE = ".lock"
+# Keys a resumed run may change: the mesh it runs on, how far it goes, how often it saves.
+_RESUMABLE = ("parallel", "training.steps", "training.checkpoint_every")
 
 
-def save_checked(path: Path, payload: dict[str, Any]) -> None:
-    """``torch.save`` ``payload`` with the checksum of every tensor in it; never leaves a half-written file."""
-    checksums = {name: tensor_digest(t) for name, t in _tensors(payload)}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({**payload, CHECKSUMS: checksums}, tmp)
-    os.replace(tmp, path)
+class OutDirError(ValueError):
+    """``--out`` cannot hold this run (in use by another run, or a name of the wrong kind)."""
 
 
-def load_checked(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
-    """The payload saved by :func:`save_checked`, with the ``required`` parts, every checksum verified."""
-    where = f"checkpoint {str(path)!r}"
-    if not path.is_file():
-        raise CheckpointError(f"{where}: no such file")
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out |= _flatten(value, f"{prefix}.{key}" if prefix else str(key))
+    return out
+
+
+def run_identity(cfg: RunConfig) -> str:
+    """The run's identity as canonical JSON: seed, the config a resume must share, and its sha256."""
+    resumable = lambda key: any(key == r or key.startswith(r + ".") for r in _RESUMABLE)
+    flat = {k: v for k, v in _flatten(config_to_dict(cfg)).items() if not resumable(k)}
+    digest = hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+    return json.dumps({"seed": cfg.seed, "config": flat, "config_sha256": digest}, sort_keys=True)
+
+
+def check_run_identity(saved: Any, cfg: RunConfig, where: str) -> str | None:
+    """Why the checkpoint ``where`` (whose identity is ``saved``) belongs to another run than ``cfg``'s, or None."""
     try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as exc:  # noqa: BLE001 - zip, pickle and storage errors all mean "not a checkpoint"
-        raise CheckpointError(f"{where}: cannot be read ({type(exc).__name__}: {exc})") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{where}: expected a dict, got {type(state).__name__}")
-    missing = [key for key in (*required, CHECKSUMS) if key not in state]
-    if missing:
-        raise CheckpointError(f"{where}: no {missing} (written by another program, or damaged)")
-    checksums = state.pop(CHECKSUMS)
-    if not isinstance(checksums, dict):
-        raise CheckpointError(f"{where}: {CHECKSUMS} is a {type(checksums).__name__}, not a dict")
-    seen = set()
-    for name, tensor in _tensors(state):
-        seen.add(name)
-        if name not in checksums:
-            raise CheckpointError(f"{where}: tensor {name!r} has no checksum")
-        if tensor_digest(tensor) != checksums[name]:
-            raise CheckpointError(f"{where}: tensor {name!r} does not match its checksum (the data changed)")
-    lost = sorted(set(checksums) - seen)
-    if lost:
-        raise CheckpointError(f"{where}: tensor {lost[0]!r} is missing ({len(lost)} missing in all)")
-    return state
+        theirs = json.loads(saved)
+        their_config, their_seed = dict(theirs["config"]), theirs["seed"]
+    except (TypeError, ValueError, KeyError):
+        return f"{where} carries no run identity (written by another program?)"
+    mine = json.loads(run_identity(cfg))
+    if their_seed != mine["seed"]:
+        return f"{where} belongs to another run: seed {their_seed} there, {mine['seed']} here"
+    differ = sorted(k for k in set(their_config) | set(mine["config"]) if their_config.get(k) != mine["config"].get(k))
+    if differ:
+        shown = ", ".join(f"{k} ({their_config.get(k)!r} there, {mine['config'].get(k)!r} here)" for k in differ[:3])
+        return f"{where} belongs to another run: the config differs in {shown}"
+    return None
 
 
-def check_state(state: Any, own: Mapping[str, torch.Tensor], path: Path) -> None:
-    """Refuse a model state whose tensors are not exactly ``own``'s (names, shapes, dtypes).
+@contextlib.contextmanager
+def lock_out_dir(out: Path) -> Iterator[None]:
+    """Hold ``out/.lock`` exclusively for the block; :class:`OutDirError` naming the holder's pid if taken."""
+    import fcntl
 
-    ``own`` is the model's ``state_dict()``, or meta tensors of its shapes and dtypes.
+    path = out / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise OutDirError(f"--out {str(out)!r}: cannot create {LOCK_FILE} ({exc.strerror or exc})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise OutDirError(f"--out {str(out)!r}: cannot lock {LOCK_FILE} ({exc.strerror or exc})") from None
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            raise OutDirError(
+                f"--out {str(out)!r} is in use by another moe-gmm train (pid {holder}); "
+                "wait for it to finish or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for the message above
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def check_out_kinds(out: Path, files: tuple[str, ...], directories: tuple[str, ...]) -> None:
+    """Refuse, before anything runs, a name in ``out`` the run writes that exists as the other kind."""
+    for name in files:
+        if (out / name).exists() and not (out / name).is_file():
+            raise OutDirError(f"--out {str(out)!r}: {name} is a directory; the run writes a file there")
+    for name in directories:
+        if (out / name).exists() and not (out / name).is_dir():
+            raise OutDirError(f"--out {str(out)!r}: {name} is a file; the run writes a checkpoint directory there")
+
+
+@contextlib.contextmanager
+def deferred_interrupt() -> Iterator[None]:
+    """Hold SIGINT (Ctrl-C) until the block ends, then raise ``KeyboardInterrupt``: a save is never cut in half.
+
+    Only the main thread can own signal handlers; elsewhere the block runs as is.
     """
-    where = f"checkpoint {str(path)!r}"
-    if not isinstance(state, Mapping):
-        raise CheckpointError(f"{where}: the model state is a {type(state).__name__}, not a dict")
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing:
-        raise CheckpointError(f"{where}: tensor {missing[0]!r} of the model is missing ({len(missing)} in all)")
-    if unexpected:
-        raise CheckpointError(f"{where}: tensor {unexpected[0]!r} is not in the model ({len(unexpected)} in all)")
-    for name, target in own.items():
-        got = state[name]
-        if not isinstance(got, torch.Tensor) or got.shape != target.shape or got.dtype != target.dtype:
-            found = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
-            raise CheckpointError(
-                f"{where}: tensor {name!r} is {found}, the model's is {tuple(target.shape)} {target.dtype}"
-            )
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt

@@ -55,10 +55,12 @@ def _write_csv(path: Path, losses: dict[str, list[float]], step_ms: dict[str, li
 
 
 def loss_report(
-    cfg: RunConfig, losses, step_ms, phases, dtype, world: int, experts=None
+    cfg: RunConfig, losses, step_ms, phases, dtype, mesh_shape: tuple[int, int], experts=None
 ) -> tuple[Report, float | None]:
     """The report: loss rows, then (``experts``: ``{path: describe_experts(model)}``) each experts
-    module's implementation and backend per path, then the times with their spread."""
+    module's implementation and backend per path, then the times with their spread.
+
+    ``mesh_shape``: the ``(dp, ep)`` sizes the run trained on (``(1, 1)`` in one process)."""
     tol = tolerance_for(dtype)
     report = Report(
         title="moe-gmm train: fused vs eager loss alignment",
@@ -71,7 +73,8 @@ def loss_report(
             "E": cfg.model.num_experts,
             "top_k": cfg.model.num_experts_per_tok,
             "layers": cfg.model.num_hidden_layers,
-            "expert_parallel_size": world,
+            "data_parallel_size": mesh_shape[0],
+            "expert_parallel_size": mesh_shape[1],
             "torch": torch.__version__,
         },
     )
