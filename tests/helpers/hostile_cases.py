@@ -379,6 +379,74 @@ GATHER_CASES = {
     "gather_gmm/validate_str": Case(_gather(validate="no"), TypeError, "validate"),
 }
 
+# ---- the same checks inside torch.compile(fullgraph=True): the ops' bodies check what they index -------
+
+
+def _compiled(fn: Callable[..., torch.Tensor], *args: Callable[[], object]) -> Callable[[], object]:
+    """Compile ``fn`` whole, call it on fresh ``args`` and backpropagate (what a training step does)."""
+
+    def call():
+        out = torch.compile(fn, fullgraph=True, backend="aot_eager")(*(a() for a in args))
+        out.sum().backward()
+        return tuple(out.shape), bool(torch.isnan(out).any())
+
+    return call
+
+
+def _leaf(*shape) -> Callable[[], torch.Tensor]:
+    return lambda: torch.randn(*shape, requires_grad=True)
+
+
+def _groups(values, **kwargs) -> Callable[[], object]:
+    def gmm(x, w, groups):
+        return grouped_matmul(x, w, groups, **kwargs)
+
+    return _compiled(gmm, _leaf(6, 8), _leaf(3, 8, 4), lambda: torch.tensor(values))
+
+
+def _compiled_mlp(values, **kwargs) -> Callable[[], object]:
+    def mlp(x, gate_up, down, groups):
+        return expert_mlp(x, groups, gate_up, down, **kwargs)
+
+    return _compiled(mlp, _leaf(6, 8), _leaf(3, 8, 10), _leaf(3, 5, 8), lambda: torch.tensor(values))
+
+
+def _compiled_unpermute(poke, **kwargs) -> Callable[[], object]:
+    def combine(y, row_id_map, probs):
+        return unpermute(y, row_id_map, probs, **kwargs)
+
+    return _compiled(combine, _leaf(8, 3), _map(poke=poke), lambda: torch.rand(4, 2, requires_grad=True))
+
+
+def _compiled_permute(poke, **kwargs) -> Callable[[], object]:
+    def route(hidden, ids):
+        return permute(hidden, ids, 3, **kwargs)[0]
+
+    return _compiled(route, _leaf(4, 3), _ids(poke=poke))
+
+
+COMPILED_CASES = {
+    "gmm/compiled_sum_small": Case(_groups([2, 0, 3]), ValueError, "summing to x.shape[0] = 6"),
+    "gmm/compiled_sum_large": Case(_groups([2, 0, 5]), ValueError, "summing to x.shape[0] = 6"),
+    "gmm/compiled_negative": Case(_groups([3, -1, 4]), ValueError, "group_list"),
+    # (2**63 - 1) * 2 + 8 wraps the int64 sum to 6 = M.
+    "gmm/compiled_overflow": Case(_groups([2**63 - 1, 2**63 - 1, 8]), ValueError, "group_list"),
+    "gmm/compiled_cumsum_decreasing": Case(_groups([4, 2, 6], group_list_type="cumsum"), ValueError, "group_list"),
+    "gmm/compiled_unchecked_sum": Case(_groups([2, 0, 3], validate=False), ValueError, "group_list"),
+    "expert_mlp/compiled_sum_small": Case(_compiled_mlp([2, 0, 3]), ValueError, "group_list"),
+    "expert_mlp/compiled_unchecked_sum_large": Case(_compiled_mlp([2, 0, 5], validate=False), ValueError, "group_list"),
+    "unpermute/compiled_map_repeat": Case(
+        _compiled_unpermute((5, 3)), ValueError, "row_id_map_R must be a permutation"
+    ),
+    "unpermute/compiled_map_equal_r": Case(_compiled_unpermute((3, 8)), ValueError, "row_id_map_R"),
+    "unpermute/compiled_map_minus_one": Case(_compiled_unpermute((3, -1)), ValueError, "row_id_map_R"),
+    "unpermute/compiled_unchecked_equal_r": Case(
+        _compiled_unpermute((3, 8), validate=False), ValueError, "row_id_map"
+    ),
+    "permute/compiled_ids_equal_e": Case(_compiled_permute((1, 0, 3)), ValueError, "expert"),
+    "permute/compiled_ids_negative": Case(_compiled_permute((2, 1, -1)), ValueError, "expert"),
+}
+
 CASES: dict[str, Case] = {
     **GMM_CASES,
     **PERMUTE_CASES,
@@ -386,6 +454,7 @@ CASES: dict[str, Case] = {
     **SWIGLU_CASES,
     **EXPERT_MLP_CASES,
     **GATHER_CASES,
+    **COMPILED_CASES,
 }
 
 

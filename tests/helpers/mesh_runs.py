@@ -3,7 +3,7 @@
 Each run trains the same model twice on every rank: once in one process on the batch concatenated
 over all ranks (the reference), once parallelized on the mesh with this rank's share, and reports
 relative errors of gradients (after step 1), clipped gradients and parameters (after the last
-step), plus a bitwise checksum of every full parameter so the test can compare replicas across
+step), plus the sha256 of every full parameter so the test can compare replicas across
 ranks. The tests assert; these functions only measure.
 """
 
@@ -18,11 +18,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from moe_gmm.checksum import tensor_digest
 from moe_gmm.parallel import EPPlan, apply_expert_parallel
 from moe_gmm.parallel.ddp import replicate_moe
 from moe_gmm.parallel.fsdp import parallelize_moe
 from moe_gmm.parallel.mesh import ParallelizedMoe
-from moe_gmm.parallel.verify import tensor_checksum
 from moe_gmm.testing import relative_error
 from tests.helpers.ep_models import PATTERN, tiny_moe_stack
 
@@ -164,7 +164,7 @@ def train_vs_one_process(
     report["param"] = _compare(par, ref, "param")
     report["min_move"] = min(relative_error(p, init[n]) for n, p in ref.named_parameters())
     mine = dict(par.module.named_parameters())
-    report["checksums"] = {n: tensor_checksum(_full(par, n, mine[n].detach())) for n in init}
+    report["checksums"] = {n: tensor_digest(_full(par, n, mine[n].detach())) for n in init}
     return report
 
 
@@ -182,10 +182,23 @@ def hf_run(rank: int, world: int, dp: int, ep: int, parallelize=parallelize_moe)
     )  # fmt: skip
 
 
+def _setup_errors_2x2(rank: int) -> dict[str, str]:
+    """dp = 2 x ep = 2: rank 3 alone holds another expert or a swap; the whole mesh refuses it."""
+    plan = EPPlan(2, [PATTERN])
+    models = differing_models(rank == 3)
+    entries = {"fsdp": parallelize_moe, "ddp": replicate_moe}
+    return {
+        f"{entry}_{case}": error_of(lambda run=run, build=models[case]: run(build(), mesh(2, 2), plan))
+        for entry, run in entries.items()
+        for case in ("expert", "expert_swap251", "swap251", "identical")
+    }
+
+
 def four_rank_worker(rank: int, world: int) -> dict:
     """Everything measured on 4 ranks, in one spawn."""
     torch.use_deterministic_algorithms(True)
     return {
+        "setup_errors_2x2": _setup_errors_2x2(rank),
         "fsdp_stack_2x2": stack_run(rank, world, 2, 2, clip=0.05),
         "fsdp_stack_1x4": stack_run(rank, world, 1, 4),
         "fsdp_stack_4x1": stack_run(rank, world, 4, 1),
@@ -203,26 +216,65 @@ def error_of(call: Callable[[], object]) -> str:
     return "<no error>"
 
 
+# Two elements this far apart carry the same weight in a position-weighted sum modulo 251: a swap of
+# them is what such a checksum cannot see, and what the replica comparison must.
+SWAP_DISTANCE = 251
+
+
+def swapped(t: torch.Tensor, first: int, distance: int = SWAP_DISTANCE) -> None:
+    """Swap the flat elements ``first`` and ``first + distance`` of ``t`` in place (no values change)."""
+    with torch.no_grad():
+        flat = t.view(-1)
+        flat[[first, first + distance]] = flat[[first + distance, first]].clone()
+
+
+def _one_expert_differs(model: nn.Module) -> nn.Module:
+    """Expert 5 of the second layer's ``down_proj`` drawn again: the expert rank 1 of ep = 2 owns."""
+    with torch.no_grad():
+        weight = model.layers[1].mlp.experts.down_proj
+        weight[5].copy_(torch.randn(weight[5].shape, generator=torch.Generator().manual_seed(99)))
+    return model
+
+
+def _swap(name: str, first: int) -> Callable[[nn.Module], nn.Module]:
+    def edit(model: nn.Module) -> nn.Module:
+        swapped(dict(model.named_parameters())[name], first)
+        return model
+
+    return edit
+
+
+def differing_models(odd: bool) -> dict[str, Callable[[], nn.Module]]:
+    """Models that differ where ``odd`` is true, one way each; the others build the same model."""
+    same = lambda model: model  # noqa: E731
+    return {
+        "top_k": lambda: tiny_moe_stack(seed=3, top_k=3 if odd else 2),
+        "seed": lambda: tiny_moe_stack(seed=4 if odd else 3),
+        "dtype": lambda: tiny_moe_stack(seed=3).to(torch.float64 if odd else torch.float32),
+        "expert": lambda: (_one_expert_differs if odd else same)(tiny_moe_stack(seed=3)),
+        "swap251": lambda: (_swap("dense.0.weight", 2) if odd else same)(tiny_moe_stack(seed=3)),
+        "expert_swap251": lambda: (
+            _swap("layers.0.mlp.experts.gate_up_proj", 7) if odd else same
+        )(tiny_moe_stack(seed=3)),
+        "identical": lambda: tiny_moe_stack(seed=3),
+    }
+
+
 def _setup_errors(rank: int) -> dict[str, str]:
     """Models that differ on rank 1, through each entry point; every rank must raise the same error."""
-    odd = rank == 1
     plan = EPPlan(2, [PATTERN])
     entries = {
         "apply": lambda model: apply_expert_parallel(model, None, plan),
         "fsdp": lambda model: parallelize_moe(model, mesh(1, 2), plan),
         "ddp": lambda model: replicate_moe(model, mesh(1, 2), plan),
     }
-    models = {
-        "top_k": lambda: tiny_moe_stack(seed=3, top_k=3 if odd else 2),
-        "seed": lambda: tiny_moe_stack(seed=4 if odd else 3),
-        "dtype": lambda: tiny_moe_stack(seed=3).to(torch.float64 if odd else torch.float32),
-    }
     errors = {}
     for entry, run in entries.items():
-        for case, build in models.items():
+        for case, build in differing_models(rank == 1).items():
             errors[f"{entry}_{case}"] = error_of(lambda run=run, build=build: run(build()))
+    hf_top_k = 3 if rank == 1 else 2
     errors["fsdp_hf_top_k"] = error_of(
-        lambda: parallelize_moe(qwen3_moe(num_experts_per_tok=3 if odd else 2), mesh(1, 2), EPPlan(2, [HF_PATTERN]))
+        lambda: parallelize_moe(qwen3_moe(num_experts_per_tok=hf_top_k), mesh(1, 2), EPPlan(2, [HF_PATTERN]))
     )
     return errors
 

@@ -110,7 +110,7 @@ def test_replicas_that_were_never_reduced_are_caught(reports):
     for r in reports:
         assert r["late_fresh_replicas"] == "<no error>"
         drift = r["drift"]
-        assert drift.startswith("ValueError: step 1: replicas differ across ranks (shape, dtype, bit checksum): ")
+        assert drift.startswith("ValueError: step 1: replicas differ across ranks (shape, dtype, sha256): ")
         # The first replicated parameter: the first layer's router, then the ranks and their checksums.
         assert "layers.0.mlp." in drift and "rank 0 has" in drift and "rank 1 has" in drift, drift
         assert "reduce the replicated gradients over the group every step" in drift

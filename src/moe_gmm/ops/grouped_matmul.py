@@ -36,6 +36,8 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 @torch.library.custom_op("moe_gmm::grouped_matmul", mutates_args=())
 def _grouped_matmul_op(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+    # Checked here, not only at the boundary: under torch.compile only the op's body runs.
+    _check_row_ends(group_ends, num_rows=x.shape[0])
     return get_backend(backend).run_forward(x, weight, group_ends)
 
 
@@ -46,6 +48,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: 
 
 @torch.library.custom_op("moe_gmm::grouped_matmul_grad_input", mutates_args=())
 def _grad_input_op(grad_out: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+    _check_row_ends(group_ends, num_rows=grad_out.shape[0])
     return get_backend(backend).run_grad_input(grad_out, weight, group_ends)
 
 
@@ -56,6 +59,7 @@ def _(grad_out: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, ba
 
 @torch.library.custom_op("moe_gmm::grouped_matmul_grad_weight", mutates_args=())
 def _grad_weight_op(x: torch.Tensor, grad_out: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+    _check_row_ends(group_ends, num_rows=x.shape[0])
     return get_backend(backend).run_grad_weight(x, grad_out, group_ends)
 
 
@@ -155,8 +159,27 @@ def normalize_group_list(
     non-decreasing, last == num_rows) so that no backend reads or leaves rows outside
     ``[0, num_rows)``: on CPU as a ``ValueError``, on CUDA as an asynchronous device-side assert
     (no host sync); not on other devices (whose support of that assert is unknown) and not under
-    ``torch.compile``.
+    ``torch.compile`` (the grouped-matmul custom ops check them again when they run).
     """
+    group_ends = _group_ends(
+        group_list, num_experts=num_experts, num_rows=num_rows, group_list_type=group_list_type,
+        device=device, validate=validate,
+    )  # fmt: skip
+    if not validate and not torch.compiler.is_compiling():
+        _check_row_ends(group_ends, num_rows=num_rows)
+    return group_ends
+
+
+def _group_ends(
+    group_list: torch.Tensor | Sequence[int],
+    *,
+    num_experts: int,
+    num_rows: int,
+    group_list_type: GroupListType,
+    device: torch.device | str | None,
+    validate: bool,
+) -> torch.Tensor:
+    """:func:`normalize_group_list` without the final row-ends check (the custom ops make it)."""
     if group_list_type not in _GROUP_LIST_TYPES:
         raise ValueError(f"group_list_type must be one of {_GROUP_LIST_TYPES}, got {group_list_type!r}")
     if not isinstance(validate, bool):
@@ -183,14 +206,10 @@ def normalize_group_list(
             f"group_list must have one entry per expert: expected length {num_experts} "
             f"(weight.shape[0]), got {values.shape[0]}"
         )
-    compiling = torch.compiler.is_compiling()
-    if validate and not compiling:
+    if validate and not torch.compiler.is_compiling():
         _check_group_values(values, num_rows=num_rows, group_list_type=group_list_type)
     values = values.to(device=device, dtype=torch.int64, non_blocking=True)
-    group_ends = torch.cumsum(values, 0) if group_list_type == "count" else values
-    if not validate and not compiling:
-        _check_group_ends(group_ends, num_rows=num_rows)
-    return group_ends
+    return torch.cumsum(values, 0) if group_list_type == "count" else values
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -232,22 +251,42 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-def _check_group_ends(group_ends: torch.Tensor, *, num_rows: int) -> None:
-    """The row ends every backend relies on, without a host sync on an accelerator."""
-    if group_ends.numel() == 0:
+def _check_row_ends(group_ends: torch.Tensor, *, num_rows: int) -> None:
+    """Refuse row ends that do not tile ``[0, num_rows)``, without a host sync on an accelerator.
+
+    Every backend relies on them: ends that stop short leave rows unwritten (uninitialised, often
+    NaN), ends past ``num_rows`` cut the last expert short or read past ``x``. Non-decreasing ends
+    from >= 0 to ``num_rows`` are exactly counts in ``[0, num_rows]`` summing to ``num_rows``, and
+    they also rule out counts that wrapped the int64 cumsum. CPU: a ``ValueError``; CUDA: an
+    asynchronous device-side assert; other devices: unchecked (their support of that assert is
+    unknown), the boundary's host check stands alone there.
+    """
+    if group_ends.device.type == "cpu":
+        _raise_unless_tiled(group_ends.tolist(), num_rows)  # a list of E ints: cheaper than tensor ops
+    elif group_ends.device.type == "cuda" and group_ends.numel() > 0:
+        ok = (group_ends[0] >= 0) & (group_ends[-1] == num_rows) & (group_ends[1:] >= group_ends[:-1]).all()
+        torch._assert_async(ok, "group_list must be counts >= 0 summing to x.shape[0] (row ends rising to it)")
+
+
+def _raise_unless_tiled(ends: list[int], num_rows: int) -> None:
+    """The CPU check: one C-speed comparison when the ends are right, a walk to name the problem when not."""
+    if (ends[0] >= 0 and ends[-1] == num_rows and ends == sorted(ends)) if ends else num_rows == 0:
         return
-    # Non-decreasing ends from >= 0 to M also rule out a count that wrapped the int64 cumsum.
-    ok = (group_ends[0] >= 0) & (group_ends[-1] == num_rows) & (group_ends[1:] >= group_ends[:-1]).all()
-    if group_ends.device.type == "cuda":
-        torch._assert_async(ok, "group_list does not describe x's rows (validate=False skipped the detailed check)")
-    if group_ends.device.type != "cpu":
-        return
-    if not bool(ok):
-        shown = group_ends[:8].tolist()
-        raise ValueError(
-            f"group_list must be counts >= 0 summing to x.shape[0] = {num_rows} (validate=False skips only the "
-            f"detailed check); its row ends are {shown}{' ...' if group_ends.numel() > 8 else ''}"
-        )
+    previous = 0
+    for e, end in enumerate(ends):
+        if end < previous:
+            problem = f"group {e} ends at row {end}, before row {previous}"
+            break
+        previous = end
+    else:
+        if previous == num_rows:
+            return
+        problem = f"the last group ends at row {previous}"
+    shown = f"{ends[:8]}{' ...' if len(ends) > 8 else ''}"
+    raise ValueError(
+        f"group_list must be counts >= 0 summing to x.shape[0] = {num_rows} (as inclusive row ends: "
+        f"non-decreasing from 0 to {num_rows}); its row ends are {shown}: {problem}"
+    )
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -302,10 +341,11 @@ def grouped_matmul(
         backend: force ``"eager"``, ``"torch"``, ``"triton"``, ``"npu"`` or a registered name;
             ``"auto"`` or None picks (``$MOE_GMM_BACKEND`` is consulted when None).
         validate: check group_list values (each count or cumsum value in ``[0, M]``, monotone,
-            total == M). This reads the values on the host, a sync when group_list lives on an
-            accelerator; under ``torch.compile`` the value checks are skipped (shape checks
-            remain). ``False`` means "you promise the values are right"; the row ends are still
-            checked without a sync (see :func:`normalize_group_list`).
+            total == M), naming the offending entry. This reads the values on the host, a sync
+            when group_list lives on an accelerator. ``False`` means "you promise the values are
+            right". Either way, compiled or not, the custom ops refuse row ends that do not tile
+            ``[0, M)`` when they run: a ``ValueError`` on CPU, a device-side assert on CUDA (no
+            host sync).
 
     Returns:
         ``[M, N]`` in the input dtype; products accumulate in float32 (float64 for float64).
@@ -319,7 +359,7 @@ def grouped_matmul(
         if backend not in (None, "eager"):
             raise ValueError(f"fused=False runs the eager reference; it conflicts with backend={backend!r}")
         backend = "eager"
-    group_ends = normalize_group_list(
+    group_ends = _group_ends(  # the row ends are checked inside the custom ops, compiled or not
         group_list,
         num_experts=weight.shape[0],
         num_rows=x.shape[0],

@@ -176,7 +176,11 @@ torch.library.register_autograd("moe_gmm::permute", _permute_backward, setup_con
 
 
 @torch.library.custom_op("moe_gmm::unpermute", mutates_args=())
-def _unpermute_op(expert_out_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_Tk: torch.Tensor) -> torch.Tensor:
+def _unpermute_op(
+    expert_out_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_Tk: torch.Tensor, validate: bool = True
+) -> torch.Tensor:
+    if validate:  # here, not only at the boundary: under torch.compile only the op's body runs
+        _check_row_id_map_in_op(row_id_map_R, probs_Tk.shape[0] * probs_Tk.shape[1])
     vendor = npu_fused.vendor_ops_for(expert_out_RH)
     if vendor is not None:
         return npu_fused.unpermute_forward(vendor, expert_out_RH, row_id_map_R, probs_Tk)
@@ -184,12 +188,12 @@ def _unpermute_op(expert_out_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs
 
 
 @_unpermute_op.register_fake
-def _(expert_out_RH, row_id_map_R, probs_Tk):
+def _(expert_out_RH, row_id_map_R, probs_Tk, validate=True):
     return expert_out_RH.new_empty(probs_Tk.shape[0], expert_out_RH.shape[1])
 
 
 def _unpermute_setup_context(ctx, inputs, output) -> None:
-    expert_out_RH, row_id_map_R, probs_Tk = inputs
+    expert_out_RH, row_id_map_R, probs_Tk, _ = inputs
     ctx.save_for_backward(expert_out_RH, row_id_map_R, probs_Tk)
 
 
@@ -210,7 +214,7 @@ def _unpermute_grads(ctx, grad_out_TH):
         grad_expert_out = _grad_expert_out(grad_out_TH, row_id_map_R, probs_Tk, expert_out_RH.dtype)
     if ctx.needs_input_grad[2]:
         grad_probs = _grad_probs(grad_out_TH, expert_out_RH, row_id_map_R, probs_Tk)
-    return grad_expert_out, None, grad_probs
+    return grad_expert_out, None, grad_probs, None
 
 
 def _unpermute_grads_native(kernels, needs_input_grad, grad_out_TH, expert_out_RH, row_id_map_R, probs_Tk):
@@ -230,7 +234,7 @@ def _unpermute_grads_native(kernels, needs_input_grad, grad_out_TH, expert_out_R
         nothing if grad_expert_out is None else grad_expert_out,
         nothing.float() if grad_probs is None else grad_probs,
     )
-    return grad_expert_out, None, None if grad_probs is None else grad_probs.to(probs_Tk.dtype)
+    return grad_expert_out, None, None if grad_probs is None else grad_probs.to(probs_Tk.dtype), None
 
 
 def _grad_expert_out(
@@ -355,6 +359,27 @@ def _check_row_id_map(row_id_map_R: torch.Tensor, num_rows: int) -> None:
         )
 
 
+def _check_row_id_map_in_op(row_id_map_R: torch.Tensor, num_rows: int) -> None:
+    """The permutation check where the map lives, without a host sync on an accelerator.
+
+    CPU: :func:`_check_row_id_map` (reading values there costs no sync). CUDA: one asynchronous
+    device-side assert that the values lie in ``[0, R)`` and cover every row. Other devices:
+    unchecked here (their support of that assert is unknown); the boundary's host check covers
+    eager calls there.
+    """
+    if num_rows == 0:
+        return
+    if row_id_map_R.device.type == "cpu":
+        _check_row_id_map(row_id_map_R, num_rows)
+    elif row_id_map_R.device.type == "cuda":
+        in_range = (row_id_map_R >= 0) & (row_id_map_R < num_rows)
+        seen = torch.zeros(num_rows, dtype=torch.bool, device=row_id_map_R.device)
+        seen.index_fill_(0, torch.where(in_range, row_id_map_R, 0), True)
+        torch._assert_async(
+            in_range.all() & seen.all(), "row_id_map_R must be a permutation of range(T*k) as returned by permute"
+        )
+
+
 def permute(
     hidden_TH: torch.Tensor,
     selected_experts_Tk: torch.Tensor,
@@ -420,8 +445,10 @@ def unpermute(
         top_k: k, when known: ``probs_Tk`` must then have exactly k columns. Without it a
             transposed ``[k, T]`` ``probs_Tk`` (same number of elements) cannot be told apart.
         validate: check that ``row_id_map_R`` is a permutation of ``range(T*k)`` (``ValueError``).
-            This reads the map on the host (a sync on an accelerator); skipped under
-            ``torch.compile``. ``False`` means "you promise the map is permute's": callers that
+            On an accelerator this reads the map on the host (a sync), except under
+            ``torch.compile``; the custom op checks again when it runs, compiled or not: a
+            ``ValueError`` on CPU, an asynchronous device-side assert on CUDA (no host sync).
+            ``False`` means "you promise the map is permute's": callers that
             pass permute's own map may use it. A value outside ``[0, T*k)`` is then still
             refused, by the CPU kernels (``ValueError``) or by ``index_select`` on the torch path
             (``IndexError``); a repeated value is not detected (rows of the result are then wrong).
@@ -454,6 +481,6 @@ def unpermute(
     for name, t in (("row_id_map_R", row_id_map_R), ("probs_Tk", probs_Tk)):
         if t.device != expert_out_RH.device:
             raise ValueError(f"{name} must be on expert_out_RH's device {expert_out_RH.device}, got {t.device}")
-    if validate and not torch.compiler.is_compiling() and num_rows > 0:
-        _check_row_id_map(row_id_map_R, num_rows)
-    return _unpermute_op(expert_out_RH, row_id_map_R, probs_Tk)
+    if validate and row_id_map_R.device.type != "cpu" and not torch.compiler.is_compiling() and num_rows > 0:
+        _check_row_id_map(row_id_map_R, num_rows)  # a ValueError in eager; on CPU the op makes this check
+    return _unpermute_op(expert_out_RH, row_id_map_R, probs_Tk, validate)

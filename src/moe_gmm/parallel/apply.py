@@ -68,7 +68,7 @@ def apply_expert_parallel(
     patterns on one module, a matched module that is not a routed-experts module or whose math
     our expert MLP cannot run (:func:`~moe_gmm.integrations.support.expert_mlp_support`), E not divisible
     by the group size, ``plan.expert_parallel_size`` != group size, and models or plans that differ
-    across ranks (E, top_k, sizes, dtype, plan, or any replicated tensor's bits: see
+    across ranks (E, top_k, sizes, dtype, plan, or the bytes of any tensor, expert weights whole: see
     :func:`~moe_gmm.parallel.verify.verify_same_setup`), naming the first difference and the ranks.
     ``verify=False`` skips that last comparison: for callers that already made it over a group
     holding ``ep_group`` (``parallelize_moe`` and ``replicate_moe`` compare the whole mesh).

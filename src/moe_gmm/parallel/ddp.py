@@ -60,7 +60,8 @@ def replicate_moe(
     ``average_loss``), clip with ``clip_grad_norm_``. ``ddp_kwargs`` go to
     ``DistributedDataParallel`` (not ``process_group``: that is the mesh's).
 
-    Collective over the whole mesh; the same setup checks as ``parallelize_moe``.
+    Collective over the whole mesh; the same setup checks as ``parallelize_moe`` (every tensor's
+    sha256 compared across all ranks before sharding, expert weights whole).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

@@ -101,7 +101,8 @@ def parallelize_moe(
     """Shard ``model`` for training on ``mesh``: experts over ``ep_dim`` and FSDP2 everywhere.
 
     Args:
-        model: the whole model, identical on every rank (checked: config and every tensor's bits).
+        model: the whole model, identical on every rank (checked before sharding: config and the
+            sha256 of every tensor, each expert weight whole).
         mesh: a DeviceMesh with named dims; ``ep_dim`` is expert parallel, the others are data dims.
         plan: which experts modules to shard; ``plan.expert_parallel_size`` must equal the ep size.
         layers: patterns naming the modules wrapped by ``fully_shard`` one by one (default: the
@@ -134,7 +135,8 @@ def parallelize_moe(
         )
     data_mesh = moe_mesh.data_mesh
     before = list(model.named_parameters())
-    # The whole mesh must start from one model: replicas that differ would never be reconciled.
+    # The whole mesh must start from one model, experts included: replicas that differ would never be
+    # reconciled, and each rank's expert shard comes from its own copy.
     experts = match_and_verify(model, data_mesh.get_group(), plan, what="parallelize_moe")
     layer_names = decoder_layers(model, experts, layers)
     apply_expert_parallel(model, moe_mesh.ep_mesh.get_group(), plan, verify=False)  # verified above

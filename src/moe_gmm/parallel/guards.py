@@ -7,8 +7,9 @@
   global optimizer step pre-hook runs the same check at the first ``step()`` of every optimizer.
 - **Replicas that drift apart.** Replicated parameters stay equal only if their gradients are
   reduced over the ranks (``replicate_moe`` / ``parallelize_moe`` do it; after a bare
-  ``apply_expert_parallel`` the training loop must). :func:`verify_replicas` compares their bits
-  across a group, cheaply enough to call every few hundred steps or at every checkpoint.
+  ``apply_expert_parallel`` the training loop must). :func:`verify_replicas` compares the sha256
+  of their bytes across a group (one pass over each replica), cheaply enough to call every few
+  hundred steps or at every checkpoint.
 """
 
 from __future__ import annotations
@@ -98,15 +99,15 @@ def verify_replicas(model: nn.Module, group: dist.ProcessGroup | None = None, *,
 
     ``group``: the ranks that hold the same replicas (the EP group after a bare
     ``apply_expert_parallel``; all ranks of the mesh after ``replicate_moe``). Collective: one
-    gather of a checksum per tensor. The error names the first tensor that differs and which
-    ranks hold which checksum: their gradients were not reduced over ``group`` (or they were
-    changed on some ranks only).
+    gather of a sha256 per tensor (each rank hashes a CPU copy of every replica). The error names
+    the first tensor that differs and which ranks hold which digest: their gradients were not
+    reduced over ``group`` (or they were changed on some ranks only).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     difference = first_difference_across(tensor_records(replicated_tensors(model)), group, "replica verification")
     if difference is not None:
         raise ValueError(
-            f"{what}: replicas differ across ranks (shape, dtype, bit checksum): {difference}; reduce the "
+            f"{what}: replicas differ across ranks (shape, dtype, sha256): {difference}; reduce the "
             "replicated gradients over the group every step (replicate_moe / parallelize_moe do it)"
         )

@@ -1,60 +1,65 @@
 """Prove, before the first step, that every rank built the same MoE model and the same replicas.
 
-Ranks that disagree on ``top_k`` or start from different replicated weights (another seed) would
-otherwise train without a word and drift apart. :func:`verify_same_setup` gathers, in one
-exchange, every rank's experts configuration, plan and a bitwise checksum of every replicated
-tensor, and raises the same ``ValueError`` on every rank naming the first field or parameter that
-differs and the ranks that hold which value.
+Ranks that disagree on ``top_k`` or start from different weights (another seed, one expert loaded
+from another file) would otherwise train a model no rank holds, without a word.
+:func:`verify_same_setup` gathers, in one exchange, every rank's experts configuration, plan and the
+sha256 of every tensor of the model (the replicated ones and the expert weights, whole, before they
+are sharded), and raises the same ``ValueError`` on every rank naming the first field or tensor
+that differs and the ranks that hold which value.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_gmm.checksum import tensor_digest
 from moe_gmm.parallel.comm import collective
 from moe_gmm.parallel.layout import experts_layout
 from moe_gmm.parallel.plan import EPPlan
 
 __all__ = [
+    "TensorRecord",
     "experts_config",
     "first_difference_across",
     "match_and_verify",
-    "tensor_checksum",
     "tensor_records",
     "verify_same_setup",
 ]
 
-# Integer views by element size: checksums read the bits, so -0.0 vs 0.0 or two NaN payloads differ.
-_INT_VIEW = {4: torch.int32, 2: torch.int16, 1: torch.int8}
-# Elements per chunk: |int32| * 251 * 2**22 < 2**63, so chunk sums never overflow int64.
-_CHUNK = 1 << 22
+# Hex digits of the sha256 shown in a message: enough to tell values apart by eye; equality
+# always compares the whole digest.
+_SHOWN_DIGITS = 12
 
 
-def tensor_checksum(t: torch.Tensor) -> tuple[int, int] | None:
-    """Two integer sums over the tensor's bits (plain and position-weighted); None on the meta device."""
-    t = t.detach()
-    if hasattr(t, "to_local"):  # a DTensor: this rank's part
-        t = t.to_local()
-    if t.device.type == "meta":
-        return None
-    flat = t.contiguous().view(-1)
-    if flat.numel() == 0:
-        return (0, 0)
-    raw = flat.view(torch.uint8)
-    size = next(s for s in (4, 2, 1) if raw.numel() % s == 0)
-    ints = raw.view(_INT_VIEW[size])
-    sums = []
-    for start in range(0, ints.numel(), _CHUNK):
-        chunk = ints[start : start + _CHUNK].to(torch.int64)
-        position = torch.arange(start, start + chunk.numel(), device=chunk.device) % 251 + 1
-        sums.append(torch.stack([chunk.sum(), (chunk * position).sum()]))
-    per_chunk = torch.stack(sums).tolist()  # HOST SYNC: one per tensor, once at setup
-    return (sum(s[0] for s in per_chunk), sum(s[1] for s in per_chunk))  # Python ints: no overflow
+@dataclass(frozen=True)
+class TensorRecord:
+    """What ranks compare of one tensor: shape, dtype and the sha256 of its bytes (None on meta).
+
+    A digest of the bytes, not a sum: any change of any bit anywhere (two elements swapped, -0.0
+    for 0.0, another NaN payload) changes it.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    sha256: str | None
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorRecord:
+        t = t.detach()
+        if hasattr(t, "to_local"):  # a DTensor: this rank's part
+            t = t.to_local()
+        digest = None if t.device.type == "meta" else tensor_digest(t)  # HOST SYNC: once per tensor, at setup
+        return cls(tuple(t.shape), str(t.dtype).removeprefix("torch."), digest)
+
+    def __repr__(self) -> str:
+        digest = "no data (meta)" if self.sha256 is None else f"sha256 {self.sha256[:_SHOWN_DIGITS]}"
+        return f"{list(self.shape)} {self.dtype} {digest}"
 
 
 def _top_k(parent: nn.Module | None) -> int | None:
@@ -111,20 +116,31 @@ def _first_difference(records: list[list[tuple[str, Any]]]) -> str | None:
         if len(fields) > 1:  # the lists themselves differ (another parameter, another module)
             by_rank = "; ".join(f"rank {r} has {e[0]!r}" for r, e in enumerate(entries))
             return f"entry {i} of the setup: {by_rank}"
-        groups: dict[str, list[int]] = {}
-        for r, (_, value) in enumerate(entries):
-            groups.setdefault(repr(value), []).append(r)
         held = "; ".join(
-            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {'have' if len(rs) > 1 else 'has'} {v}"
-            for v, rs in groups.items()
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {'have' if len(rs) > 1 else 'has'} {v!r}"
+            for v, rs in _group_ranks([value for _, value in entries])
         )
         return f"{entries[0][0]}: {held}"
     return None
 
 
-def tensor_records(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, Any]]:
-    """``(name, (shape, dtype, bit checksum))`` per tensor: what ranks compare of their replicas."""
-    return [(n, (tuple(t.shape), str(t.dtype), tensor_checksum(t))) for n, t in named]
+def _group_ranks(values: list[Any]) -> list[tuple[Any, list[int]]]:
+    """``(value, ranks holding it)`` in rank order, grouped by equality (a message may show less
+    than the value, e.g. a digest's first digits, so showing is never what groups)."""
+    groups: list[tuple[Any, list[int]]] = []
+    for rank, value in enumerate(values):
+        for held, ranks in groups:
+            if held == value:
+                ranks.append(rank)
+                break
+        else:
+            groups.append((value, [rank]))
+    return groups
+
+
+def tensor_records(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, TensorRecord]]:
+    """``(name, TensorRecord)`` per tensor: what ranks compare of their replicas."""
+    return [(n, TensorRecord.of(t)) for n, t in named]
 
 
 def first_difference_across(records: list[tuple[str, Any]], group: dist.ProcessGroup | None, what: str) -> str | None:
@@ -136,6 +152,18 @@ def first_difference_across(records: list[tuple[str, Any]], group: dist.ProcessG
     return _first_difference(everyone)
 
 
+def _split_tensors(
+    model: nn.Module, experts: list[str]
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """``(replicated, expert)`` named tensors: every parameter and buffer, split by whether it
+    lives in one of the ``experts`` modules (whole, since nothing is sharded yet)."""
+    prefixes = tuple(f"{n}." for n in experts)
+    named = [*model.named_parameters(), *model.named_buffers()]
+    replicated = [(n, t) for n, t in named if not n.startswith(prefixes)]
+    expert = [(n, t) for n, t in named if n.startswith(prefixes)]
+    return replicated, expert
+
+
 def verify_same_setup(
     model: nn.Module,
     group: dist.ProcessGroup | None,
@@ -143,36 +171,34 @@ def verify_same_setup(
     experts: Iterable[str],
     *,
     what: str,
-    replicated: Iterable[tuple[str, torch.Tensor]] | None = None,
     extra: Iterable[tuple[str, Any]] = (),
 ) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless all ranks agree on the MoE setup.
 
-    Compared in order: the plan, each experts module's configuration (:func:`experts_config`), then
-    the name, shape, dtype and bitwise checksum of every replicated tensor (``replicated``; default:
-    every parameter and buffer outside the ``experts`` modules). ``extra`` fields are compared
-    first (e.g. a setup problem found on this rank). Collective: one gather of small
-    Python objects; the checksums read every replicated tensor once.
+    Compared in order: ``extra`` fields (e.g. a setup problem found on this rank), the plan, each
+    experts module's configuration (:func:`experts_config`), then the shape, dtype and sha256 of
+    every tensor outside the ``experts`` modules, then of every expert weight and buffer, whole
+    (sharding takes each rank's block of experts from its own copy, so copies that differ would
+    make a model no rank holds). Collective: one gather of small Python objects; each rank reads
+    every tensor of the model once (a CPU copy of each, hashed).
     """
     experts = list(experts)
-    if replicated is None:
-        prefixes = tuple(f"{n}." for n in experts)
-        replicated = [
-            (n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if not n.startswith(prefixes)
-        ]
+    replicated, expert = _split_tensors(model, experts)
     config = list(extra) + _plan_fields(plan) + experts_config(model, experts)
     everyone: list = [None] * dist.get_world_size(group)
+    mine = (config, tensor_records(replicated), tensor_records(expert))
     with collective("setup verification", group):
-        dist.all_gather_object(everyone, (config, tensor_records(replicated)), group=group)
-    difference = _first_difference([c for c, _ in everyone])
+        dist.all_gather_object(everyone, mine, group=group)
+    difference = _first_difference([c for c, _, _ in everyone])
     if difference is not None:
         raise ValueError(f"{what}: ranks disagree on the expert-parallel setup: {difference}")
-    difference = _first_difference([t for _, t in everyone])
-    if difference is not None:
-        raise ValueError(
-            f"{what}: ranks disagree on a replicated tensor (shape, dtype, bit checksum): {difference}; "
-            "build the model from the same seed or checkpoint on every rank before parallelizing"
-        )
+    for index, kind in ((1, "a replicated tensor"), (2, "an expert tensor before sharding")):
+        difference = _first_difference([records[index] for records in everyone])
+        if difference is not None:
+            raise ValueError(
+                f"{what}: ranks disagree on {kind} (shape, dtype, sha256): {difference}; "
+                "build the model from the same seed or checkpoint on every rank before parallelizing"
+            )
 
 
 def match_and_verify(model: nn.Module, group: dist.ProcessGroup | None, plan: EPPlan, *, what: str) -> list[str]:
