@@ -138,22 +138,75 @@ def suite_of(run: dict[str, Any]) -> str:
 
 
 def load_baseline(path: str | Path) -> dict[str, Any]:
-    """Read a baseline file; ValueError naming the file when it is not one."""
+    """Read a baseline file; ValueError naming the file and the first field that breaks the schema.
+
+    Everything a comparison reads is checked here, so a file of another shape fails before any
+    benchmark runs instead of deep inside one.
+    """
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
-        raise ValueError(f"baseline {path}: cannot read it ({exc.strerror})") from None
+        raise ValueError(f"baseline {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"baseline {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"baseline {path}: not JSON ({exc.msg}, line {exc.lineno})") from None
+    except RecursionError:  # the decoder recurses once per nested array or object
+        raise ValueError(f"baseline {path}: nested too deeply to be a baseline") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"baseline {path}: format must be {FORMAT!r}, got {found!r}")
-    for row in data.get("rows", []):
-        missing = [k for k in ("suite", "case", "impl", "dtype", "mode", "median_ms") if k not in row]
-        if missing:
-            raise ValueError(f"baseline {path}: a row lacks {missing}: {row}")
+        raise ValueError(f"baseline {path}: format must be {FORMAT!r}, got {_short(found)}")
+    problem = _schema_problem(data)
+    if problem:
+        raise ValueError(f"baseline {path}: {problem}")
     return data
+
+
+# Row fields a comparison reads, with their JSON types; ``p20_ms`` / ``p80_ms`` may be absent.
+_ROW_TEXT = ("suite", "case", "impl", "dtype", "mode")
+_ROW_MS = ("median_ms", "p20_ms", "p80_ms")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _schema_problem(data: dict[str, Any]) -> str | None:
+    """The first way ``data`` differs from the baseline schema, or None."""
+    rows, runs = data.get("rows", []), data.get("runs", {})
+    if not isinstance(rows, list):
+        return f"'rows' must be a list, got {type(rows).__name__}"
+    if not isinstance(runs, dict):
+        return f"'runs' must be an object, got {type(runs).__name__}"
+    for suite, run in runs.items():
+        if suite not in SUITES:
+            return f"runs.{_short(suite)}: not a suite; suites are {list(SUITES)}"
+        command = run.get("command") if isinstance(run, dict) else run
+        if not isinstance(command, str):
+            return f"runs.{suite}.command must be a string, got {_short(command)}"
+    for i, row in enumerate(rows):
+        problem = _row_problem(row)
+        if problem:
+            return f"rows[{i}]: {problem}"
+    return None
+
+
+def _row_problem(row: Any) -> str | None:
+    if not isinstance(row, dict):
+        return f"must be an object, got {_short(row)}"
+    missing = [k for k in (*_ROW_TEXT, "median_ms") if k not in row]
+    if missing:
+        return f"a row lacks {missing}"
+    for key in _ROW_TEXT:
+        if not isinstance(row.get(key), str):
+            return f"{key!r} must be a string, got {_short(row.get(key))}"
+    for key in _ROW_MS:
+        value = row.get(key, 0.0 if key != "median_ms" else None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            return f"{key!r} must be a number >= 0, got {_short(value)}"
+    return None
 
 
 def update_baseline(
