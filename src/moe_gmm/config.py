@@ -314,7 +314,9 @@ def validate_config(cfg: RunConfig, *, world_size: int | None = None) -> RunConf
 
         names = sorted(registered_backends())
         if m.gmm_backend not in names:
-            raise ConfigError(f"model.gmm_backend: {_shown(m.gmm_backend)} is not a registered backend; registered: {names}")
+            raise ConfigError(
+                f"model.gmm_backend: {_shown(m.gmm_backend)} is not a registered backend; registered: {names}"
+            )
     if m.num_experts % p.expert_parallel_size:
         raise ConfigError(
             f"parallel.expert_parallel_size: {p.expert_parallel_size} must divide model.num_experts "
@@ -484,9 +486,9 @@ def _refuse_duplicate_keys(node: Any, path: str, seen_nodes: set[int]) -> None:
         for key_node, value_node in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
-            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else f"<collection at line {key_node.start_mark.line + 1}>"
-            full = f"{path}.{_key_text(key)}" if path else _key_text(key)
             line = key_node.start_mark.line + 1
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else f"<collection at line {line}>"
+            full = f"{path}.{_key_text(key)}" if path else _key_text(key)
             if key in lines:
                 raise ConfigError(f"{full}: duplicate key (lines {lines[key]} and {line}; give it once)")
             lines[key] = line
