@@ -35,8 +35,10 @@ from moe_gmm.bench.harness import (
     add_run_arguments,
     case_rate_note,
     maybe_progress,
+    recheck_calibration,
     run_benchmark,
     split_choices,
+    warning_printer,
 )
 from moe_gmm.bench.machine import (
     DTYPE_NAMES,
@@ -377,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         # load spike during one of them cannot make the floors (and the ratios to them) look better.
         report.set_limits(limits.merged(measure_limits(tuple(dtypes), quick=False)))
         report.notes.append("limits: the better of measurements before and after the run")
+    recheck_calibration(report, lambda: measure_limits(tuple(dtypes), quick=args.quick), warning_printer(console))
+    if not args.quick:
         report.notes.append(_case_bandwidth_note(report.rows))
         report.notes.append(case_rate_note(report.rows, report.limits))
     print_report(report, console)

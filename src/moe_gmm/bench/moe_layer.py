@@ -33,9 +33,11 @@ from moe_gmm.bench.harness import (
     add_run_arguments,
     case_rate_note,
     maybe_progress,
+    recheck_calibration,
     run_benchmark,
     split_choices,
     time_interleaved,
+    warning_printer,
 )
 from moe_gmm.bench.layer_cases import CASE_SETS, DEFAULT_IMPLS, IMPLS, MoeLayerCase, case_set, layer_impls
 from moe_gmm.bench.machine import DTYPE_NAMES, describe_machine, gemm_rate_probes, measure_limits
@@ -317,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=progress,
             rate_probes=None if args.quick else gemm_rate_probes(dtypes, limits),
         )
+    recheck_calibration(report, lambda: measure_limits(tuple(dtypes), quick=args.quick), warning_printer(console))
     if not args.quick:
         report.notes.append(case_rate_note(report.rows, report.limits))
     print_report(report, console)
