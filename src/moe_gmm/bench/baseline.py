@@ -39,7 +39,9 @@ __all__ = [
 
 FORMAT = "moe-gmm-baseline/1"
 SUITES = ("gmm", "layer", "train")
-RUNNERS = {"gmm": "benchmarks.run_gmm", "layer": "benchmarks.run_moe_layer", "train": "benchmarks.run_moe_layer"}
+RUNNERS = {"gmm": "moe_gmm.bench.gmm", "layer": "moe_gmm.bench.moe_layer", "train": "moe_gmm.bench.moe_layer"}
+# The runners' names in commands recorded before they ran from the package (only from a clone's root).
+_OLD_RUNNERS = {"gmm": "benchmarks.run_gmm", "layer": "benchmarks.run_moe_layer", "train": "benchmarks.run_moe_layer"}
 # Machine fields that name the class; the rest (commit, load) belong to a run.
 _MACHINE_FIELDS = (
     "cpu_model", "logical_cpus", "usable_cpus", "torch_threads", "cpu_capability", "torch_version", "blas",
@@ -124,9 +126,9 @@ def _round(value: float | None, digits: int) -> float | None:
 def suites_of(run: dict[str, Any]) -> list[str]:
     """The suites a run's JSON holds rows of: a layer run can hold ``layer`` and ``train`` rows."""
     command = run.get("command") or run.get("train_step", {}).get("command", "")
-    if RUNNERS["gmm"] in command:
+    if _runs(command, "gmm"):
         return ["gmm"]
-    if RUNNERS["layer"] in command:
+    if _runs(command, "layer"):
         held = [s for s, rows in (("layer", run.get("rows")), ("train", run.get("train_step", {}).get("rows"))) if rows]
         return held or ["layer"]
     raise ValueError(f"run: its command names none of the runners {sorted(set(RUNNERS.values()))}, got {command!r}")
@@ -284,14 +286,20 @@ def replay_argv(baseline: dict[str, Any], suite: str) -> list[str]:
     if run is None:
         raise ValueError(f"baseline: no {suite!r} run; it has {sorted(baseline.get('runs', {}))}")
     words = shlex.split(run["command"])
-    if RUNNERS[suite] not in words:
+    runner = next((name for name in (RUNNERS[suite], _OLD_RUNNERS[suite]) if name in words), None)
+    if runner is None:
         raise ValueError(f"baseline: the {suite!r} command must run {RUNNERS[suite]}, got {run['command']!r}")
-    return _without_file_options(words[words.index(RUNNERS[suite]) + 1 :])
+    return _without_file_options(words[words.index(runner) + 1 :])
+
+
+def _runs(command: str, suite: str) -> bool:
+    """Whether ``command`` runs the runner of ``suite``, under its current or its former name."""
+    return RUNNERS[suite] in command or _OLD_RUNNERS[suite] in command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Write the summary rows of benchmark runs into a baseline file.")
-    p.add_argument("runs", nargs="+", help="run JSON files written by benchmarks.run_gmm / run_moe_layer --out")
+    p.add_argument("runs", nargs="+", help="run JSON files written by moe_gmm.bench.gmm / moe_layer --out")
     p.add_argument("--out", required=True, help="the baseline file, e.g. benchmarks/baselines/CLASS.json")
     p.add_argument("--machine-class", default=None, help="the class's name (default: the file's name)")
     args = p.parse_args(argv)

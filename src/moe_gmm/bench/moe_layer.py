@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     console = wide_console()
-    command = "python -m benchmarks.run_moe_layer " + " ".join(
+    command = "python -m moe_gmm.bench.moe_layer " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )
     train = None
@@ -386,3 +386,7 @@ def _write_train_only(train: dict[str, Any], args, console) -> None:
     if args.markdown:
         Path(args.markdown).write_text(train_step.train_markdown(train))
         console.print(f"Markdown written to {args.markdown}")
+
+
+if __name__ == "__main__":  # the command recorded in results: it runs from any folder
+    sys.exit(main())
