@@ -1,8 +1,9 @@
 """``moe-gmm``: the command line. Thin: parse arguments, call the library, print, return an exit code.
 
 Exit codes: 0 every check passed, 1 a check failed, 2 bad usage (unknown flag, bad config,
-unavailable device or backend, unwritable ``--out``, unreadable ``--resume`` checkpoint). Usage
-errors print one line to stderr naming the flag or key, never a traceback.
+unavailable device or backend, unwritable ``--out``, unreadable ``--resume`` checkpoint, malformed
+``--compare`` baseline, sizes this machine cannot allocate). Usage errors print one line to stderr
+naming the flag or key, never a traceback.
 """
 
 from __future__ import annotations
