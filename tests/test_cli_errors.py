@@ -464,6 +464,7 @@ TERMINAL_CASES = [
     ("config-alias-bomb", _train_with(_text(_ALIAS_BOMB)), {}, "expands to more than"),
     ("config-alias-cycle", _train_with(_text("seed: &a [*a]\n")), {}, "alias refers to its own anchor"),
     ("config-dev-zero", _train_with(lambda tmp: "/dev/zero"), {}, "/dev/zero"),
+    ("config-nested-too-deep", _train_with(_text(f"seed: {'[' * 50_000}{']' * 50_000}\n")), {}, "nested too deeply"),
     ("config-huge-value", _train_with(_with("model.gmm_backend", "x" * 100_000)), {}, "model.gmm_backend"),
     ("config-huge-key", _train_with(_with("model." + "k" * 100_000, 1)), {}, "unknown key"),
 ]
