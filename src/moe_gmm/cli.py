@@ -261,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except MemoryError as exc:  # sizes the checks above could not foresee; a traceback would not help
-        return _usage_error(f"out of memory ({exc or 'MemoryError'}); use smaller sizes")
+        return _usage_error(f"out of memory ({str(exc) or 'MemoryError'}); use smaller sizes")
     except RuntimeError as exc:
         if not _is_allocation_failure(exc):
             raise
