@@ -1,6 +1,6 @@
 """One command for a CUDA machine: check the GPU backends, then time them on Qwen3.5 MoE shapes.
 
-    python benchmarks/gpu_check.py --out out/gpu_check.json
+    python benchmarks/gpu_check.py                      # writes out/gpu_check.json
     python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check.json   # CPU, Triton interpreter
 
 1. Correctness (fails loudly, exit status 1): the triton backend in fp32 / fp16 / bf16 and the torch
@@ -324,7 +324,9 @@ def run_timings(result: dict, shapes, device: str, dry_run: bool, warmup: int, r
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, type=Path, help="where to write the JSON results")
+    parser.add_argument(
+        "--out", type=Path, default=Path("out/gpu_check.json"), help="where to write the JSON results"
+    )
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement")
     parser.add_argument("--skip-timing", action="store_true", help="correctness only")

@@ -368,8 +368,8 @@ def test_intact_resume_continues(trained, tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------
 
 
-def _cli(argv: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+def _cli(argv: list[str], extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", **(extra_env or {})}
     return subprocess.run(
         [sys.executable, "-m", "moe_gmm.cli", *argv], check=False, capture_output=True, text=True, env=env, timeout=120
     )
@@ -413,3 +413,84 @@ def test_a_bad_backend_environment_variable_is_a_usage_error(argv, monkeypatch, 
     code, err = _run_main([*argv, "--out", str(tmp_path / "o")], capsys)
     assert code == EXIT_USAGE, err
     assert "$MOE_GMM_BACKEND: backend='bogus' is not a registered backend" in _one_usage_line(err)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostile usage through a real terminal: exit 2, exactly one short stderr line, no traceback
+# ----------------------------------------------------------------------------------------------
+
+_ALIAS_BOMB = "seed:\n  - &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
+    f"  - &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True)
+)
+
+
+def _baseline(body: str) -> Callable[[Path], str]:
+    """A --compare file: a baseline of the right format whose other fields are ``body``."""
+
+    def write(tmp: Path) -> str:
+        path = tmp / "baseline.json"
+        path.write_text('{"format": "moe-gmm-baseline/1", ' + body + "}")
+        return str(path)
+
+    return write
+
+
+def _deep_json(tmp: Path) -> str:
+    path = tmp / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    return str(path)
+
+
+def _train_with(write: Callable[[Path], str]) -> Callable[[Path], list[str]]:
+    return lambda tmp: ["train", "--config", write(tmp), "--out", str(tmp / "o"), *FAST]
+
+
+def _compare(write: Callable[[Path], str]) -> Callable[[Path], list[str]]:
+    return lambda tmp: ["bench", "--compare", write(tmp), "--out", str(tmp / "o")]
+
+
+_QUICK_GMM = ["bench", "--quick", "--suite", "gmm"]
+
+# (id, argv from a temporary folder, extra environment, what the one line must name)
+TERMINAL_CASES = [
+    ("train-paths-repeated", lambda tmp: ["train", "--paths", "fused,fused", "--out", str(tmp / "o")], {}, "--paths"),
+    ("bench-out-is-a-file", lambda tmp: [*_QUICK_GMM, "--out", str(_a_file(tmp))], {}, "--out"),
+    ("bench-out-dev-null", lambda tmp: [*_QUICK_GMM, "--out", "/dev/null"], {}, "--out"),
+    ("bench-out-unwritable-mount", lambda tmp: [*_QUICK_GMM, "--out", "/proc/moe_gmm_out"], {}, "--out"),
+    (
+        "bench-backend-variable",
+        lambda tmp: [*_QUICK_GMM, "--out", str(tmp)],
+        {"MOE_GMM_BACKEND": "bogus"},
+        "$MOE_GMM_BACKEND",
+    ),
+    ("compare-rows-not-a-list", _compare(_baseline('"rows": 5')), {}, "'rows' must be a list"),
+    ("compare-run-without-command", _compare(_baseline('"rows": [], "runs": {"gmm": {}}')), {}, "runs.gmm.command"),
+    ("compare-command-not-text", _compare(_baseline('"rows": [], "runs": {"gmm": {"command": 3}}')), {}, "runs.gmm"),
+    ("compare-row-not-an-object", _compare(_baseline('"rows": [5], "runs": {}')), {}, "rows[0]"),
+    ("compare-runs-a-list", _compare(_baseline('"rows": [], "runs": []')), {}, "'runs' must be an object"),
+    ("compare-nested-too-deep", _compare(_deep_json), {}, "--compare"),
+    (
+        "validate-tokens-unallocatable",
+        lambda tmp: ["validate", "--tokens", str(10**9), "--out", str(tmp)],
+        {},
+        "--tokens",
+    ),
+    ("config-hidden-size-unallocatable", _train_with(_with("model.hidden_size", 10**8)), {}, "--config"),
+    ("config-seq-len-1", _train_with(_with("training.seq_len", 1)), {}, "training.seq_len"),
+    ("config-vocab-size-1", _train_with(_with("model.vocab_size", 1)), {}, "model.vocab_size"),
+    ("config-alias-bomb", _train_with(_text(_ALIAS_BOMB)), {}, "expands to more than"),
+    ("config-alias-cycle", _train_with(_text("seed: &a [*a]\n")), {}, "alias refers to its own anchor"),
+    ("config-dev-zero", _train_with(lambda tmp: "/dev/zero"), {}, "/dev/zero"),
+    ("config-nested-too-deep", _train_with(_text(f"seed: {'[' * 50_000}{']' * 50_000}\n")), {}, "nested too deeply"),
+    ("config-huge-value", _train_with(_with("model.gmm_backend", "x" * 100_000)), {}, "model.gmm_backend"),
+    ("config-huge-key", _train_with(_with("model." + "k" * 100_000, 1)), {}, "unknown key"),
+]
+
+
+@pytest.mark.parametrize(("case", "argv", "env", "key"), TERMINAL_CASES, ids=[c[0] for c in TERMINAL_CASES])
+def test_hostile_usage_in_a_terminal_is_one_line_and_exit_2(case, argv, env, key, tmp_path):
+    proc = _cli(argv(tmp_path), env)
+    assert proc.returncode == EXIT_USAGE, (case, proc.stderr[-2000:])
+    line = _one_usage_line(proc.stderr)
+    assert key in line, line
+    assert len(line) < 1000, f"{case}: the message formats a whole value ({len(line)} characters)"

@@ -1,16 +1,16 @@
 """The docs stay true: every Python block in README.md and docs/*.md runs as written, the
 architecture page names every module of the package, and README and architecture keep their size.
 
-The blocks of one file run in order in one namespace, as a reader pastes them, in a fresh
-interpreter started from an empty temporary folder, with torchrun's variables for a one-rank world
-(the README's DeviceMesh example runs under ``torchrun`` or alone).
+Each README block runs alone, as a reader pastes just that one: in a fresh interpreter under plain
+``python`` (no torchrun variables: the DeviceMesh example must make its own one-rank world) started
+from an empty temporary folder, which must stay empty. The blocks of a page in docs/ continue one
+another, so they run in order in one namespace, the same way.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,33 +42,38 @@ def python_blocks(path: Path) -> list[tuple[int, str]]:
     return [(text.count("\n", 0, m.start()) + 2, m.group(1)) for m in _BLOCK.finditer(text)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# torchrun's variables: a README block must not need them, so none reaches it from the test's own run.
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _run_blocks(blocks: list[tuple[int, str]], name: str, folder: Path) -> None:
+    """Run ``blocks`` in order in one fresh interpreter started in ``folder``; fail on any error."""
+    script = _RUNNER.format(blocks=blocks, name=name)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=folder, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"{len(blocks)} blocks ran" in result.stdout
+    assert list(folder.iterdir()) == [], "a doc example left files behind"
 
 
 def test_the_readme_has_examples() -> None:
     assert len(python_blocks(ROOT / "README.md")) >= 4
 
 
-@pytest.mark.parametrize("doc", [p for p in DOCS if python_blocks(p)], ids=lambda p: p.name)
-def test_every_python_block_runs(doc: Path, tmp_path: Path) -> None:
-    script = _RUNNER.format(blocks=python_blocks(doc), name=doc.name)
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        **{"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"},
-        **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())},
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert f"{len(python_blocks(doc))} blocks ran" in result.stdout
-    assert list(tmp_path.iterdir()) == [], "a doc example left files behind"
+_README_BLOCKS = python_blocks(ROOT / "README.md")
+
+
+@pytest.mark.parametrize("block", _README_BLOCKS, ids=[f"line{line}" for line, _ in _README_BLOCKS])
+def test_every_readme_block_runs_alone(block: tuple[int, str], tmp_path: Path) -> None:
+    _run_blocks([block], "README.md", tmp_path)
+
+
+@pytest.mark.parametrize("doc", [p for p in DOCS[1:] if python_blocks(p)], ids=lambda p: p.name)
+def test_every_python_block_of_a_page_runs(doc: Path, tmp_path: Path) -> None:
+    _run_blocks(python_blocks(doc), doc.name, tmp_path)
 
 
 def test_architecture_names_every_module() -> None:

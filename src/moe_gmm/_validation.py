@@ -3,7 +3,8 @@
 :func:`check_field_types` makes a dataclass refuse, on construction, a field value that does not
 match its annotation (``bool`` is not an ``int``, a string is not a ``bool``), so a wrong option
 fails where it is given instead of at the first forward. :func:`writable_directory` proves an
-output directory can be written before any work is done.
+output directory can be written before any work is done; :func:`check_fits_in_memory` that sizes
+can be allocated at all.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["check_field_types", "describe_type", "matches_type", "writable_directory"]
+__all__ = [
+    "available_memory_bytes",
+    "check_field_types",
+    "check_fits_in_memory",
+    "describe_type",
+    "matches_type",
+    "writable_directory",
+]
 
 
 def describe_type(tp: Any) -> str:
@@ -86,3 +94,35 @@ def writable_directory(path: str | os.PathLike, what: str) -> Path:
     except OSError as exc:
         raise ValueError(f"{what} {str(path)!r}: not a writable directory ({exc.strerror or exc})") from None
     return path
+
+
+def available_memory_bytes(device: str = "cpu") -> int | None:
+    """Bytes that can still be allocated on ``device`` now (host: ``MemAvailable``), None when unknown."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+    if device != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_fits_in_memory(needed_bytes: int, device: str, what: str) -> None:
+    """``ValueError`` naming ``what`` when ``needed_bytes`` (a lower bound) exceeds what ``device`` has
+    free: sizes that cannot be allocated fail before any work, not inside the allocator."""
+    free = available_memory_bytes(device)
+    if free is not None and needed_bytes > free:
+        raise ValueError(
+            f"{what}: needs at least {needed_bytes / 2**30:.1f} GiB of {device} memory, "
+            f"{free / 2**30:.1f} GiB is available"
+        )

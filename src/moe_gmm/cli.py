@@ -1,9 +1,10 @@
 """``moe-gmm``: the command line. Thin: parse arguments, call the library, print, return an exit code.
 
 Exit codes: 0 every check passed, 1 a check failed, 2 bad usage (unknown flag, bad config,
-unavailable device or backend, unwritable ``--out``, unreadable ``--resume`` checkpoint), 130
-``train`` stopped by Ctrl-C. Usage errors print one line to stderr naming the flag or key, never a
-traceback; Ctrl-C prints one line naming the last complete checkpoint.
+unavailable device or backend, unwritable ``--out``, unreadable ``--resume`` checkpoint, malformed
+``--compare`` baseline, sizes this machine cannot allocate), 130 ``train`` stopped by Ctrl-C. Usage
+errors print one line to stderr naming the flag or key, never a traceback; Ctrl-C prints one line
+naming the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -167,14 +168,35 @@ def _validate(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_FAIL
 
 
+def _train_paths(text: str) -> tuple[str, ...] | None:
+    """The paths ``--paths`` names, or None when it is not a subset of fused,eager (each path at most
+    once: the report keys its results by path, so a repeat would overwrite the first run's)."""
+    paths = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not paths or any(p not in ("fused", "eager") for p in paths) or len(set(paths)) != len(paths):
+        return None
+    return paths
+
+
+def _check_training_fits(config, config_flag: str) -> None:
+    """ValueError naming the config when its model cannot be allocated on this machine at all."""
+    from moe_gmm._validation import check_fits_in_memory
+    from moe_gmm.config import training_memory_bytes
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    needed = training_memory_bytes(config, world_size=max(1, world))
+    check_fits_in_memory(needed, config.device, f"--config {config_flag}: the model.* and training.* sizes")
+
+
 def _train(args: argparse.Namespace) -> int:
     from moe_gmm.checksum import CheckpointError
     from moe_gmm.config import ConfigError, load_config
     from moe_gmm.report.train import TrainInterrupted, TrainUsageError, run_training
 
-    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
-    if not paths or any(p not in ("fused", "eager") for p in paths):
-        return _usage_error(f"--paths must be a comma-separated subset of fused,eager, got {args.paths!r}")
+    paths = _train_paths(args.paths)
+    if paths is None:
+        return _usage_error(
+            f"--paths must be a comma-separated subset of fused,eager, each at most once, got {args.paths!r}"
+        )
     if args.steps is not None and args.steps < 1:
         return _usage_error(f"--steps must be >= 1, got {args.steps}")
     if args.profile_steps < 0:
@@ -182,9 +204,12 @@ def _train(args: argparse.Namespace) -> int:
     if args.expert_parallel_size is not None and args.expert_parallel_size < 1:
         return _usage_error(f"--expert-parallel-size must be >= 1, got {args.expert_parallel_size}")
     try:
-        config = args.config
+        config = load_config(args.config)
+        _check_training_fits(config, args.config)
+    except ValueError as exc:  # ConfigError included
+        return _usage_error(str(exc))
+    try:
         if args.expert_parallel_size is not None:  # checked against the model and the world in run_training
-            config = load_config(args.config)
             config.parallel.expert_parallel_size = args.expert_parallel_size
             config.parallel.data_parallel_shard = None
         result = run_training(
@@ -238,7 +263,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         enable_logging("info")
     handler = {"validate": _validate, "train": _train, "bench": _bench}[args.command]
-    return handler(args)
+    try:
+        return handler(args)
+    except MemoryError as exc:  # sizes the checks above could not foresee; a traceback would not help
+        return _usage_error(f"out of memory ({str(exc) or 'MemoryError'}); use smaller sizes")
+    except RuntimeError as exc:
+        if not _is_allocation_failure(exc):
+            raise
+        return _usage_error(f"out of memory ({str(exc)[:200]}); use smaller sizes")
+
+
+def _is_allocation_failure(exc: RuntimeError) -> bool:
+    """torch reports a failed allocation as OutOfMemoryError (accelerators) or a RuntimeError from
+    the CPU allocator; both mean sizes too large for this machine, not a bug."""
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
 
 
 if __name__ == "__main__":  # pragma: no cover

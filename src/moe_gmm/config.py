@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ __all__ = [
     "packaged_configs",
     "parse_config",
     "resolve_config",
+    "training_memory_bytes",
     "validate_config",
 ]
 
@@ -49,6 +51,21 @@ DType = Literal["bf16", "fp32"]
 
 # The synthetic batches seed a generator with ``seed * 1_000_003 + step``; this keeps it in range.
 MAX_SEED = 2**32 - 1
+# A run config is a few dozen keys; anything larger is a wrong file (``/dev/zero``, a data dump).
+MAX_CONFIG_BYTES = 2**20
+# YAML aliases repeat a node without repeating its text, so nine lines can expand to a billion
+# values; the schema has under a hundred keys, so this bound never meets a real config.
+MAX_CONFIG_NODES = 10_000
+
+# Values quoted in error messages are cut short: a message must stay one readable line.
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 2, 4, 4
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 60, 60, 40
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` cut to a few dozen characters, without formatting the whole value first."""
+    return _SHORT.repr(value)
 
 
 class ConfigError(ValueError):
@@ -155,7 +172,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if origin is Literal:
         if value in typing.get_args(tp) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{path}: expected {describe_type(tp)}, got {value!r}")
+        raise ConfigError(f"{path}: expected {describe_type(tp)}, got {_shown(value)}")
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -167,10 +184,10 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, arg, path)
             except ConfigError:
                 continue
-        raise ConfigError(f"{path}: expected {describe_type(tp)}, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{path}: expected {describe_type(tp)}, got {type(value).__name__} {_shown(value)}")
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected {describe_type(tp)}, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{path}: expected {describe_type(tp)}, got {type(value).__name__} {_shown(value)}")
         (item_tp,) = typing.get_args(tp)
         return [_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
@@ -186,13 +203,18 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             return float(value)
         if isinstance(value, str):
             # PyYAML reads ``1e-3`` (no dot) as a string; say so rather than guess.
-            raise ConfigError(f"{path}: expected float, got string {value!r} (YAML needs a dot: write 1.0e-3)")
+            raise ConfigError(f"{path}: expected float, got string {_shown(value)} (YAML needs a dot: write 1.0e-3)")
     elif tp is str:
         if isinstance(value, str):
             return value
     else:  # pragma: no cover - a schema field of a type this loader does not know
         raise TypeError(f"unsupported config field type {tp!r} at {path}")
-    raise ConfigError(f"{path}: expected {describe_type(tp)}, got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{path}: expected {describe_type(tp)}, got {type(value).__name__} {_shown(value)}")
+
+
+def _key_text(key: Any) -> str:
+    """A mapping key as a message names it: a string as written (cut short), anything else by repr."""
+    return key[:60] if isinstance(key, str) else _shown(key)
 
 
 def _build(cls: type, data: Any, path: str) -> Any:
@@ -200,12 +222,12 @@ def _build(cls: type, data: Any, path: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {_shown(data)}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in known:
-            full = f"{path}.{key}" if path else str(key)
+            full = f"{path}.{_key_text(key)}" if path else _key_text(key)
             raise ConfigError(f"{full}: unknown key (allowed under {where}: {', '.join(sorted(known))})")
     kwargs = {key: _convert(value, hints[key], f"{path}.{key}" if path else key) for key, value in data.items()}
     return cls(**kwargs)
@@ -239,6 +261,11 @@ def validate_config(cfg: RunConfig, *, world_size: int | None = None) -> RunConf
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
+    # Training predicts token t+1 from token t: one position leaves no target (the loss is NaN)
+    # and one vocabulary entry leaves nothing to predict.
+    for key, value in {"training.seq_len": t.seq_len, "model.vocab_size": m.vocab_size}.items():
+        if value < 2:
+            raise ConfigError(f"{key}: must be >= 2 for a causal LM to have a next token to learn, got {value}")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise ConfigError(f"seed: must be in [0, {MAX_SEED}], got {cfg.seed}")
     for key, value in {
@@ -287,7 +314,9 @@ def validate_config(cfg: RunConfig, *, world_size: int | None = None) -> RunConf
 
         names = sorted(registered_backends())
         if m.gmm_backend not in names:
-            raise ConfigError(f"model.gmm_backend: {m.gmm_backend!r} is not a registered backend; registered: {names}")
+            raise ConfigError(
+                f"model.gmm_backend: {_shown(m.gmm_backend)} is not a registered backend; registered: {names}"
+            )
     if m.num_experts % p.expert_parallel_size:
         raise ConfigError(
             f"parallel.expert_parallel_size: {p.expert_parallel_size} must divide model.num_experts "
@@ -355,36 +384,92 @@ def resolve_config(name_or_path: str | Path) -> Path:
 
 def load_config(path: str | Path, *, world_size: int | None = None) -> RunConfig:
     """Read a YAML file, or a packaged config by name (:func:`resolve_config`), into a validated
-    :class:`RunConfig`; every problem is a :class:`ConfigError`."""
+    :class:`RunConfig`; every problem is a :class:`ConfigError`.
+
+    The file may hold at most :data:`MAX_CONFIG_BYTES` and expand to at most
+    :data:`MAX_CONFIG_NODES` YAML nodes (aliases counted at every use), so a wrong or hostile file
+    fails in milliseconds instead of exhausting memory.
+    """
     import yaml
 
     path = resolve_config(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        hint = f"; packaged configs: {', '.join(packaged_configs())}" if isinstance(exc, FileNotFoundError) else ""
-        raise ConfigError(f"config file {str(path)!r}: cannot be read ({exc.strerror or exc}{hint})") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {str(path)!r}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    text = _read_config_text(path)
     try:
         data = yaml.load(text, Loader=_unique_key_loader())
     except yaml.YAMLError as exc:
         one_line = " ".join(str(exc).split())
-        raise ConfigError(f"config file {str(path)!r}: not valid YAML ({one_line})") from None
+        raise ConfigError(f"config file {str(path)!r}: not valid YAML ({one_line[:300]})") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(f"config file {str(path)!r}: nested too deeply to be a run config") from None
     return parse_config(data, world_size=world_size)
+
+
+def _read_config_text(path: Path) -> str:
+    """The file's text, read no further than :data:`MAX_CONFIG_BYTES` (a device such as
+    ``/dev/zero`` reports size 0 and never ends, so the size is bounded while reading)."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        hint = f"; packaged configs: {', '.join(packaged_configs())}" if isinstance(exc, FileNotFoundError) else ""
+        raise ConfigError(f"config file {str(path)!r}: cannot be read ({exc.strerror or exc}{hint})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {str(path)!r}: larger than {MAX_CONFIG_BYTES} bytes; not a run config")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 @functools.cache
 def _unique_key_loader() -> type:
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the last)."""
+    """``yaml.SafeLoader`` that bounds alias expansion and refuses a key given twice in one mapping
+    (plain YAML keeps the last)."""
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):
         def construct_document(self, node):
+            _refuse_expansion_beyond(node, MAX_CONFIG_NODES)
             _refuse_duplicate_keys(node, "", set())
             return super().construct_document(node)
 
     return UniqueKeyLoader
+
+
+def _refuse_expansion_beyond(root: Any, limit: int) -> None:
+    """Count the nodes ``root`` expands to, each alias at every use, refusing more than ``limit`` or
+    an alias inside its own anchor (a cycle). Sizes are memoised per node, so the count costs one
+    visit per distinct node however far the aliases would expand."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: Any) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_nodes:
+            raise ConfigError(f"config: an alias refers to its own anchor (line {node.start_mark.line + 1})")
+        open_nodes.add(id(node))
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            children: list = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        else:
+            children = []
+        for child in children:
+            total += size(child)
+            if total > limit:
+                raise ConfigError(
+                    f"config: expands to more than {limit} YAML values (aliases repeated at line "
+                    f"{node.start_mark.line + 1}); a run config has under a hundred keys"
+                )
+        open_nodes.discard(id(node))
+        sizes[id(node)] = total
+        return total
+
+    size(root)
 
 
 def _refuse_duplicate_keys(node: Any, path: str, seen_nodes: set[int]) -> None:
@@ -401,13 +486,30 @@ def _refuse_duplicate_keys(node: Any, path: str, seen_nodes: set[int]) -> None:
         for key_node, value_node in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
-            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else repr(key_node.value)
-            full = f"{path}.{key}" if path else key
             line = key_node.start_mark.line + 1
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else f"<collection at line {line}>"
+            full = f"{path}.{_key_text(key)}" if path else _key_text(key)
             if key in lines:
                 raise ConfigError(f"{full}: duplicate key (lines {lines[key]} and {line}; give it once)")
             lines[key] = line
             _refuse_duplicate_keys(value_node, full, seen_nodes)
+
+
+def training_memory_bytes(cfg: RunConfig, *, world_size: int = 1) -> int:
+    """A lower bound on the bytes one process needs to train ``cfg``'s model: the embeddings and
+    routed plus shared experts (attention left out), each held as weight, gradient and AdamW's two
+    moments, sharded over ``world_size`` ranks, plus one micro-batch of float32 logits.
+
+    Kept a lower bound so that it never refuses a run that fits; its job is to turn sizes that can
+    never be allocated (``hidden_size: 100000000``) into a usage error before the model is built.
+    """
+    m, t = cfg.model, cfg.training
+    per_layer = m.num_experts * 3 * m.hidden_size * m.moe_intermediate_size
+    per_layer += 3 * m.hidden_size * m.shared_expert_intermediate_size
+    params = 2 * m.vocab_size * m.hidden_size + m.num_hidden_layers * per_layer  # untied embeddings and head
+    bytes_per_value = 2 if cfg.dtype == "bf16" else 4
+    logits = t.micro_batch_size * t.seq_len * m.vocab_size * 4
+    return 4 * params * bytes_per_value // max(1, world_size) + logits
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:

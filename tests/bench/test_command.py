@@ -65,6 +65,7 @@ def test_cli_compare_reruns_the_baseline_command_and_fails_on_a_regression(tmp_p
     )
     printed = capsys.readouterr().out
     assert "against the baseline: " in printed and "0 missing in run, 0 new in run" in printed
+    assert "--compare: rerunning the baseline's gmm run (1 of 1," in printed  # not minutes of silence
     assert not (out / "moe_layer.json").exists()
     run = json.loads((out / "gmm.json").read_text())
     assert "--cases tiny" in run["command"] and "--compare" in run["command"]

@@ -94,6 +94,6 @@ def test_main_quick_path_writes_json(tmp_path, monkeypatch):
     data = json.loads(out.read_text())
     assert {r["label"] for r in data["rows"]} == {"gate_up", "down"}
     assert {r["mode"] for r in data["rows"]} == {"fwd", "fwdbwd"}
-    assert data["command"].startswith("python -m benchmarks.run_gmm --quick")
+    assert data["command"].startswith("python -m moe_gmm.bench.gmm --quick")
     with pytest.raises(SystemExit):
         gmm_bench.main(["--dtype", "fp8"])

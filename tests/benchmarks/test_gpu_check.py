@@ -19,13 +19,14 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the real check, not the dry run")
-def test_dry_run_checks_times_and_writes_json(tmp_path):
+def test_dry_run_checks_times_and_writes_json(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     gpu_check = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = gpu_check  # dataclasses look their module up there
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # dataclasses look their module up there
     spec.loader.exec_module(gpu_check)
-    out = tmp_path / "gpu_check.json"
-    assert gpu_check.main(["--dry-run", "--out", str(out)]) == 0
+    monkeypatch.chdir(tmp_path)  # as written, without --out: the results land in ./out/
+    assert gpu_check.main(["--dry-run"]) == 0
+    out = tmp_path / "out" / "gpu_check.json"
     result = json.loads(out.read_text())
     assert result["dry_run"] is True and result["machine"]["device"] == "cpu"
     checked = {(c["backend"], c["dtype"]) for c in result["checks"]}

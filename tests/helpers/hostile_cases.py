@@ -462,3 +462,39 @@ def run_case(name: str) -> object:
     """The child process's runner: make the hostile call (it should raise)."""
     torch.manual_seed(0)
     return CASES[name].call()
+
+
+# ---- values that used to fail past the checks: in the allocator, inside Triton, unnamed ------------
+
+
+def _with_backend_variable(value: str, call: Callable[[], object]) -> Callable[[], object]:
+    """``call`` with ``$MOE_GMM_BACKEND`` set to ``value``, restored afterwards (the child lives on)."""
+
+    def run():
+        import os
+
+        before = os.environ.get("MOE_GMM_BACKEND")
+        os.environ["MOE_GMM_BACKEND"] = value
+        try:
+            return call()
+        finally:
+            if before is None:
+                del os.environ["MOE_GMM_BACKEND"]
+            else:
+                os.environ["MOE_GMM_BACKEND"] = before
+
+    return run
+
+
+BOUNDARY_CASES = {
+    "gmm/env_backend_unknown": Case(_with_backend_variable("bogus", _gmm()), ValueError, "$MOE_GMM_BACKEND"),
+    "expert_mlp/env_backend_unknown": Case(_with_backend_variable("bogus", _mlp()), ValueError, "$MOE_GMM_BACKEND"),
+    "permute/e_2_40": Case(_permute(num_experts=2**40), ValueError, "num_experts"),
+    "gather_gmm/hidden_fp32_weights_bf16": Case(
+        _gather(gate_up_EH2I=_t(3, 8, 10, dtype=torch.bfloat16), down_EIH=_t(3, 5, 8, dtype=torch.bfloat16)),
+        TypeError,
+        "hidden_TH",
+    ),
+    "gather_gmm/down_fp16": Case(_gather(down_EIH=_t(3, 5, 8, dtype=torch.float16)), TypeError, "down_EIH"),
+}
+CASES.update(BOUNDARY_CASES)

@@ -92,3 +92,17 @@ def test_chunked_rows_match_reference(monkeypatch, shape, dtype):
     y.backward(dy)
     ref.backward(dy.double())
     assert_rel_close(x.grad, x64.grad, limit, "d x")
+
+
+def test_double_backward_matches_the_float64_reference():
+    # A backward with create_graph=True (gradient penalties, Hessian-vector products) must build a
+    # graph of its own instead of failing inside autograd.
+    g = torch.Generator().manual_seed(3)
+    x64 = torch.randn(5, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(swiglu, (x64,))
+    x = x64.detach().float().requires_grad_(True)
+    (dx,) = torch.autograd.grad(swiglu(x).square().sum(), x, create_graph=True)
+    (hvp,) = torch.autograd.grad(dx.sum(), x)
+    (dx_ref,) = torch.autograd.grad(reference_swiglu(x64).square().sum(), x64, create_graph=True)
+    (hvp_ref,) = torch.autograd.grad(dx_ref.sum(), x64)
+    assert_rel_close(hvp, hvp_ref, tolerance_for(torch.float32).rel, "second derivative")

@@ -39,7 +39,9 @@ __all__ = [
 
 FORMAT = "moe-gmm-baseline/1"
 SUITES = ("gmm", "layer", "train")
-RUNNERS = {"gmm": "benchmarks.run_gmm", "layer": "benchmarks.run_moe_layer", "train": "benchmarks.run_moe_layer"}
+RUNNERS = {"gmm": "moe_gmm.bench.gmm", "layer": "moe_gmm.bench.moe_layer", "train": "moe_gmm.bench.moe_layer"}
+# The runners' names in commands recorded before they ran from the package (only from a clone's root).
+_OLD_RUNNERS = {"gmm": "benchmarks.run_gmm", "layer": "benchmarks.run_moe_layer", "train": "benchmarks.run_moe_layer"}
 # Machine fields that name the class; the rest (commit, load) belong to a run.
 _MACHINE_FIELDS = (
     "cpu_model", "logical_cpus", "usable_cpus", "torch_threads", "cpu_capability", "torch_version", "blas",
@@ -124,9 +126,9 @@ def _round(value: float | None, digits: int) -> float | None:
 def suites_of(run: dict[str, Any]) -> list[str]:
     """The suites a run's JSON holds rows of: a layer run can hold ``layer`` and ``train`` rows."""
     command = run.get("command") or run.get("train_step", {}).get("command", "")
-    if RUNNERS["gmm"] in command:
+    if _runs(command, "gmm"):
         return ["gmm"]
-    if RUNNERS["layer"] in command:
+    if _runs(command, "layer"):
         held = [s for s, rows in (("layer", run.get("rows")), ("train", run.get("train_step", {}).get("rows"))) if rows]
         return held or ["layer"]
     raise ValueError(f"run: its command names none of the runners {sorted(set(RUNNERS.values()))}, got {command!r}")
@@ -138,22 +140,75 @@ def suite_of(run: dict[str, Any]) -> str:
 
 
 def load_baseline(path: str | Path) -> dict[str, Any]:
-    """Read a baseline file; ValueError naming the file when it is not one."""
+    """Read a baseline file; ValueError naming the file and the first field that breaks the schema.
+
+    Everything a comparison reads is checked here, so a file of another shape fails before any
+    benchmark runs instead of deep inside one.
+    """
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
-        raise ValueError(f"baseline {path}: cannot read it ({exc.strerror})") from None
+        raise ValueError(f"baseline {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"baseline {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"baseline {path}: not JSON ({exc.msg}, line {exc.lineno})") from None
+    except RecursionError:  # the decoder recurses once per nested array or object
+        raise ValueError(f"baseline {path}: nested too deeply to be a baseline") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"baseline {path}: format must be {FORMAT!r}, got {found!r}")
-    for row in data.get("rows", []):
-        missing = [k for k in ("suite", "case", "impl", "dtype", "mode", "median_ms") if k not in row]
-        if missing:
-            raise ValueError(f"baseline {path}: a row lacks {missing}: {row}")
+        raise ValueError(f"baseline {path}: format must be {FORMAT!r}, got {_short(found)}")
+    problem = _schema_problem(data)
+    if problem:
+        raise ValueError(f"baseline {path}: {problem}")
     return data
+
+
+# Row fields a comparison reads, with their JSON types; ``p20_ms`` / ``p80_ms`` may be absent.
+_ROW_TEXT = ("suite", "case", "impl", "dtype", "mode")
+_ROW_MS = ("median_ms", "p20_ms", "p80_ms")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _schema_problem(data: dict[str, Any]) -> str | None:
+    """The first way ``data`` differs from the baseline schema, or None."""
+    rows, runs = data.get("rows", []), data.get("runs", {})
+    if not isinstance(rows, list):
+        return f"'rows' must be a list, got {type(rows).__name__}"
+    if not isinstance(runs, dict):
+        return f"'runs' must be an object, got {type(runs).__name__}"
+    for suite, run in runs.items():
+        if suite not in SUITES:
+            return f"runs.{_short(suite)}: not a suite; suites are {list(SUITES)}"
+        command = run.get("command") if isinstance(run, dict) else run
+        if not isinstance(command, str):
+            return f"runs.{suite}.command must be a string, got {_short(command)}"
+    for i, row in enumerate(rows):
+        problem = _row_problem(row)
+        if problem:
+            return f"rows[{i}]: {problem}"
+    return None
+
+
+def _row_problem(row: Any) -> str | None:
+    if not isinstance(row, dict):
+        return f"must be an object, got {_short(row)}"
+    missing = [k for k in (*_ROW_TEXT, "median_ms") if k not in row]
+    if missing:
+        return f"a row lacks {missing}"
+    for key in _ROW_TEXT:
+        if not isinstance(row.get(key), str):
+            return f"{key!r} must be a string, got {_short(row.get(key))}"
+    for key in _ROW_MS:
+        value = row.get(key, 0.0 if key != "median_ms" else None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            return f"{key!r} must be a number >= 0, got {_short(value)}"
+    return None
 
 
 def update_baseline(
@@ -231,14 +286,20 @@ def replay_argv(baseline: dict[str, Any], suite: str) -> list[str]:
     if run is None:
         raise ValueError(f"baseline: no {suite!r} run; it has {sorted(baseline.get('runs', {}))}")
     words = shlex.split(run["command"])
-    if RUNNERS[suite] not in words:
+    runner = next((name for name in (RUNNERS[suite], _OLD_RUNNERS[suite]) if name in words), None)
+    if runner is None:
         raise ValueError(f"baseline: the {suite!r} command must run {RUNNERS[suite]}, got {run['command']!r}")
-    return _without_file_options(words[words.index(RUNNERS[suite]) + 1 :])
+    return _without_file_options(words[words.index(runner) + 1 :])
+
+
+def _runs(command: str, suite: str) -> bool:
+    """Whether ``command`` runs the runner of ``suite``, under its current or its former name."""
+    return RUNNERS[suite] in command or _OLD_RUNNERS[suite] in command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Write the summary rows of benchmark runs into a baseline file.")
-    p.add_argument("runs", nargs="+", help="run JSON files written by benchmarks.run_gmm / run_moe_layer --out")
+    p.add_argument("runs", nargs="+", help="run JSON files written by moe_gmm.bench.gmm / moe_layer --out")
     p.add_argument("--out", required=True, help="the baseline file, e.g. benchmarks/baselines/CLASS.json")
     p.add_argument("--machine-class", default=None, help="the class's name (default: the file's name)")
     args = p.parse_args(argv)

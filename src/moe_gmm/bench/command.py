@@ -15,9 +15,11 @@ and repeats) and prints the rows improved or regressed (:mod:`moe_gmm.bench.comp
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe_gmm._validation import writable_directory
 from moe_gmm.bench.baseline import load_baseline, replay_argv
 
 __all__ = ["SUITES", "BenchResult", "BenchUsageError", "plot_bench_json", "run_bench"]
@@ -71,26 +73,23 @@ def run_bench(
     for suite in suites:
         if suite not in SUITES:
             raise BenchUsageError(f"suite must be one of {SUITES}, got {suite!r}")
+    _check_backend_variable()
     baseline = None
     if compare is not None:
-        try:
-            baseline = load_baseline(compare)
-        except ValueError as exc:
-            raise BenchUsageError(f"--compare: {exc}") from None
-        runs = baseline.get("runs", {})
-        if "layer" in suites and "train" in runs and runs["train"]["command"] != runs.get("layer", {}).get("command"):
-            suites = (*suites, "train")  # the headline rows came from a run of their own: rerun it too
-        suites = tuple(s for s in suites if s in runs)
-        if not suites:
-            raise BenchUsageError(f"--compare: {compare} holds no run of the chosen suites")
+        baseline, suites = _baseline_suites(compare, suites)
     mains = {"gmm": gmm.main, "layer": moe_layer.main, "train": moe_layer.main}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # before minutes of benchmarks, not after them
+        out = writable_directory(out_dir, "--out")
+    except ValueError as exc:
+        raise BenchUsageError(str(exc)) from None
     result = BenchResult()
-    for suite in suites:
+    for index, suite in enumerate(suites):
         stem = {"gmm": "gmm", "layer": "moe_layer", "train": "train_step"}[suite]
         json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
         argv = _suite_argv(suite, quick=quick, dtype=dtype, mode=mode, baseline=baseline, compare=compare)
+        if baseline is not None:  # a replay takes minutes and its runner prints nothing until measured
+            rows = sum(r["suite"] == suite for r in baseline["rows"])
+            print(f"--compare: rerunning the baseline's {suite} run ({index + 1} of {len(suites)}, {rows} rows)...")
         argv += ["--out", str(json_path), "--markdown", str(md_path)]
         if baseline_out is not None:
             argv += ["--baseline-out", str(baseline_out)]
@@ -108,6 +107,33 @@ def run_bench(
     if baseline_out is not None:
         result.files["baseline"] = Path(baseline_out)
     return result
+
+
+def _check_backend_variable() -> None:
+    """A ``$MOE_GMM_BACKEND`` naming no registered backend fails here, not inside the first case."""
+    from moe_gmm.ops.backends import BACKEND_ENV_VAR, get_backend
+
+    name = os.environ.get(BACKEND_ENV_VAR)
+    if name and name != "auto":
+        try:
+            get_backend(name)
+        except ValueError as exc:
+            raise BenchUsageError(f"${BACKEND_ENV_VAR}: {exc}") from None
+
+
+def _baseline_suites(compare: str | Path, suites: tuple[str, ...]) -> tuple[dict, tuple[str, ...]]:
+    """The baseline behind ``--compare`` and the chosen suites it holds a run of."""
+    try:
+        baseline = load_baseline(compare)
+    except ValueError as exc:
+        raise BenchUsageError(f"--compare: {exc}") from None
+    runs = baseline.get("runs", {})
+    if "layer" in suites and "train" in runs and runs["train"]["command"] != runs.get("layer", {}).get("command"):
+        suites = (*suites, "train")  # the headline rows came from a run of their own: rerun it too
+    suites = tuple(s for s in suites if s in runs)
+    if not suites:
+        raise BenchUsageError(f"--compare: {compare} holds no run of the chosen suites")
+    return baseline, suites
 
 
 def _case_label(row: dict) -> str:

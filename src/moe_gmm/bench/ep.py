@@ -1,6 +1,6 @@
 """Expert-parallel dispatch benchmark on local gloo ranks.
 
-``python -m benchmarks.run_ep [--quick] [--ep 2,4] [--out FILE]``
+``python -m benchmarks.run_ep [--quick] [--ep 2,4] [--out FILE]`` (or ``python -m moe_gmm.bench.ep``, from any folder)
 
 For each case and EP size, every rank routes its own tokens (uniform top-k) to the experts of all
 ranks. Measured per rank, then the slowest rank reported (a step waits for it):
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--ep: {ep} must be >= 2 and divide the experts of every case (not {bad})")
     console = wide_console()
     machine = describe_machine()
-    command = "python -m benchmarks.run_ep " + " ".join(
+    command = "python -m moe_gmm.bench.ep " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )
     console.print(f"[bold]EP dispatch benchmark[/] (gloo, {machine.one_line()})")
@@ -265,3 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps({"command": command, "machine": machine.as_dict(), "results": results}, indent=2))
         console.print(f"wrote {path}")
     return 0
+
+
+if __name__ == "__main__":  # the command recorded in results: it runs from any folder
+    sys.exit(main())

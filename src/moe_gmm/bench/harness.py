@@ -52,7 +52,9 @@ __all__ = [
     "Unsupported",
     "Workload",
     "case_rate_note",
+    "recheck_calibration",
     "run_benchmark",
+    "warning_printer",
     "summarize",
 ]
 
@@ -302,6 +304,50 @@ def case_rate_note(rows: list[dict[str, Any]], limits: Limits) -> str:
         "compute floors: the run's peak GEMM rate; x floor at the rate here: the compute floor from the median "
         f"of a square GEMM timed in each case's rounds ({ranges} of the peak this run)"
     )
+
+
+def _beating_the_floor(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows timed below their roofline floor: no code runs faster than the machine's limits allow,
+    so each one says the limits were measured too low (under load, or a bandwidth dip)."""
+    return [r for r in rows if r.get("x_floor") is not None and r["x_floor"] < 1.0]
+
+
+def warning_printer(console: Any) -> Callable[[str], None]:
+    """``say(line)`` printing a warning on a rich console as plain text (case names hold brackets)."""
+    return lambda line: console.print(line, style="yellow", markup=False, highlight=False)
+
+
+def recheck_calibration(report: BenchReport, remeasure: Callable[[], Limits], say: Callable[[str], None]) -> None:
+    """When a row beats its floor, measure the limits again and keep the higher of each, then add a
+    note saying so; a row still under its floor afterwards is flagged as an unreliable floor.
+
+    ``remeasure`` measures the machine's limits now; ``say`` prints a warning line. A row's own
+    copy bandwidth (measured next to its case) counts as a calibration too and is raised likewise.
+    """
+    suspect = _beating_the_floor(report.rows)
+    if not suspect:
+        return
+    best = min(r["x_floor"] for r in suspect)
+    say(
+        f"warning: {len(suspect)} rows ran below their roofline floor (down to {best:.2f}x): the machine "
+        "limits were measured too low, likely under load; measuring them again"
+    )
+    fresh = remeasure()
+    for row in suspect:
+        if "copy_bandwidth" in row:
+            row["copy_bandwidth"] = max(row["copy_bandwidth"], fresh.copy_bandwidth)
+    report.set_limits(report.limits.merged(fresh))
+    still = _beating_the_floor(report.rows)
+    if still:
+        cases = sorted({f"{r['case']} {r['impl']} {r['mode']}" for r in still})
+        note = (
+            f"WARNING: {len(still)} rows still beat their roofline floor after the limits were measured again "
+            f"(down to {min(r['x_floor'] for r in still):.2f}x): their floors are unreliable ({', '.join(cases[:3])})"
+        )
+        say(note)
+    else:
+        note = f"limits measured again: {len(suspect)} rows beat the floors of the first measurement"
+    report.notes.append(note)
 
 
 def run_benchmark(

@@ -33,9 +33,11 @@ from moe_gmm.bench.harness import (
     add_run_arguments,
     case_rate_note,
     maybe_progress,
+    recheck_calibration,
     run_benchmark,
     split_choices,
     time_interleaved,
+    warning_printer,
 )
 from moe_gmm.bench.layer_cases import CASE_SETS, DEFAULT_IMPLS, IMPLS, MoeLayerCase, case_set, layer_impls
 from moe_gmm.bench.machine import DTYPE_NAMES, describe_machine, gemm_rate_probes, measure_limits
@@ -288,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     console = wide_console()
-    command = "python -m benchmarks.run_moe_layer " + " ".join(
+    command = "python -m moe_gmm.bench.moe_layer " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )
     train = None
@@ -317,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=progress,
             rate_probes=None if args.quick else gemm_rate_probes(dtypes, limits),
         )
+    recheck_calibration(report, lambda: measure_limits(tuple(dtypes), quick=args.quick), warning_printer(console))
     if not args.quick:
         report.notes.append(case_rate_note(report.rows, report.limits))
     print_report(report, console)
@@ -383,3 +386,7 @@ def _write_train_only(train: dict[str, Any], args, console) -> None:
     if args.markdown:
         Path(args.markdown).write_text(train_step.train_markdown(train))
         console.print(f"Markdown written to {args.markdown}")
+
+
+if __name__ == "__main__":  # the command recorded in results: it runs from any folder
+    sys.exit(main())

@@ -134,8 +134,11 @@ def _generic_expert_mlp(self, x_RH, counts_E, first_EKN, second_EKN, gmm: dict[s
 def register_moe_gmm_experts(name: str = "moe_gmm", *, backend: str | None = None, fused: bool = True) -> str:
     """Register the moe-gmm experts forward in transformers' ``ExpertsInterface`` under ``name``.
 
-    Global and idempotent (a second call replaces the entry). Returns ``name``, the value for
-    ``experts_implementation=``. Raises ``ImportError`` when transformers is missing or too old.
+    Global and idempotent (a second call replaces an entry this function made). Returns ``name``,
+    the value for ``experts_implementation=``. Raises ``ValueError`` for a name transformers or
+    another library already uses (``"eager"``, ``"grouped_mm"``...): the registry is global, so
+    taking one over would change every model that asks for it. Raises ``ImportError`` when
+    transformers is missing or too old.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
@@ -143,8 +146,21 @@ def register_moe_gmm_experts(name: str = "moe_gmm", *, backend: str | None = Non
         from transformers.integrations.moe import ExpertsInterface
     except ImportError as exc:  # transformers absent, or < 5 (no experts interface)
         raise ImportError("register_moe_gmm_experts needs transformers>=5.24 (pip install 'moe-gmm[hf]')") from exc
-    ExpertsInterface.register(name, make_moe_gmm_experts_forward(backend=backend, fused=fused))
+    registered = ExpertsInterface()
+    # "eager" is transformers' reference loop: it is never in the mapping, but an entry would replace it.
+    if name == "eager" or (name in registered and not getattr(registered[name], _OURS, False)):
+        raise ValueError(
+            f"name={name!r} is an experts implementation transformers or another library registered; "
+            f"choose another name (taken: {sorted({'eager', *registered})})"
+        )
+    forward = make_moe_gmm_experts_forward(backend=backend, fused=fused)
+    setattr(forward, _OURS, True)
+    ExpertsInterface.register(name, forward)
     return name
+
+
+# Marks the forwards registered by register_moe_gmm_experts, which may replace one another.
+_OURS = "_moe_gmm_experts_forward"
 
 
 def pad_expert_weight_rows(model: torch.nn.Module) -> list[str]:

@@ -266,6 +266,12 @@ def moe_mlp_gather_scatter(
             raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
     if selected_experts_Tk.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"selected_experts_Tk must be int32 or int64, got {selected_experts_Tk.dtype}")
+    if not hidden_TH.dtype == gate_up_EH2I.dtype == down_EIH.dtype:
+        # The kernels load both operands in one dtype; a mix would fail inside Triton.
+        raise TypeError(
+            f"hidden_TH, gate_up_EH2I and down_EIH must share one dtype, got {hidden_TH.dtype}, "
+            f"{gate_up_EH2I.dtype} and {down_EIH.dtype}"
+        )
     num_experts, hidden, two_inter = gate_up_EH2I.shape
     num_tokens = hidden_TH.shape[0]
     if hidden_TH.shape[1] != hidden:

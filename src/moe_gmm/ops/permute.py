@@ -38,6 +38,9 @@ __all__ = ["permute", "unpermute"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# tokens_per_expert holds one int64 per expert. Models have hundreds to a few thousand experts; a
+# bound far above them refuses a mistyped count before the allocator fails on it.
+MAX_NUM_EXPERTS = 2**20
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -409,8 +412,8 @@ def permute(
     _check_index("selected_experts_Tk", selected_experts_Tk, 2, "[T, k]")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int):
         raise TypeError(f"num_experts must be a positive int, got {type(num_experts).__name__} {num_experts!r}")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if not 1 <= num_experts <= MAX_NUM_EXPERTS:
+        raise ValueError(f"num_experts must be an int in [1, {MAX_NUM_EXPERTS}], got {num_experts!r}")
     _check_flag("validate", validate)
     if selected_experts_Tk.shape[0] != hidden_TH.shape[0]:
         raise ValueError(

@@ -71,8 +71,8 @@ def _(x):
 
 
 def _swiglu_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # First-order only, like grouped_matmul: silu_backward computes dy * d silu(g)/dg in one fused
-    # pass (faster on CPU than spelling out the sigmoid terms) but has no derivative itself.
+    # silu_backward computes dy * d silu(g)/dg in one fused pass (faster on CPU than spelling out
+    # the sigmoid terms) but has no derivative itself: a graph-building backward takes the other path.
     acc = _acc_dtype(x.dtype)
     x_R2I, dy_RI = _as_rows(x), _as_rows(grad_out)
     half = x_R2I.shape[1] // 2
@@ -94,9 +94,23 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x)
 
 
+def _swiglu_grad_differentiable(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The same gradient spelled out in differentiable torch ops, for a backward that builds a graph
+    (``create_graph=True``: double backward, gradient penalties); slower, so only then."""
+    acc = _acc_dtype(x.dtype)
+    gate, up = x.to(acc).chunk(2, dim=-1)
+    dy = grad_out.to(acc)
+    sig = torch.sigmoid(gate)
+    d_gate = dy * up * sig * (1 + gate * (1 - sig))  # d silu(g) / dg = s + g s (1 - s)
+    d_up = dy * gate * sig
+    return torch.cat([d_gate, d_up], dim=-1).to(x.dtype)
+
+
 def _backward(ctx, grad_out: torch.Tensor):
     (x,) = ctx.saved_tensors
     with record_function("moe::swiglu_bwd"):
+        if torch.is_grad_enabled() and (x.requires_grad or grad_out.requires_grad):
+            return _swiglu_grad_differentiable(grad_out, x)
         return _swiglu_grad(grad_out, x)
 
 

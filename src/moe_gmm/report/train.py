@@ -450,7 +450,8 @@ def _check_backend(cfg: RunConfig) -> None:
         try:
             select_backend(x, w, m.gmm_backend)
         except ValueError as exc:
-            raise ConfigError(f"{key}: {exc}") from None
+            # Errors of $MOE_GMM_BACKEND's name already start with the variable.
+            raise ConfigError(str(exc) if str(exc).startswith(key) else f"{key}: {exc}") from None
 
 
 def _barrier(rt: Runtime) -> None:

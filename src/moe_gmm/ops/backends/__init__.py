@@ -152,19 +152,28 @@ def _log_choice(x_MK: torch.Tensor, w_EKN: torch.Tensor, asked: str, picked: str
     )
 
 
+def _named_backend(x_MK: torch.Tensor, w_EKN: torch.Tensor, name: str) -> GmmBackend:
+    """The backend registered as ``name``, if it accepts these inputs."""
+    backend = get_backend(name)
+    reason = backend.op_refusal(x_MK, w_EKN)
+    if reason is not None:
+        raise ValueError(f"backend={name!r} cannot run these inputs: {reason}; available here: {available_backends()}")
+    _log_choice(x_MK, w_EKN, name, backend.name, [])
+    return backend
+
+
 def select_backend(x_MK: torch.Tensor, w_EKN: torch.Tensor, name: str | None = None) -> GmmBackend:
     """The backend to run ``x_MK @ w_EKN`` on: ``name`` if given, else ``$MOE_GMM_BACKEND``, else auto."""
     _load_builtins()
-    name, _ = _requested(name)
+    name, source = _requested(name)
     if name != "auto":
-        backend = get_backend(name)
-        reason = backend.op_refusal(x_MK, w_EKN)
-        if reason is not None:
-            raise ValueError(
-                f"backend={name!r} cannot run these inputs: {reason}; available here: {available_backends()}"
-            )
-        _log_choice(x_MK, w_EKN, name, backend.name, [])
-        return backend
+        try:
+            return _named_backend(x_MK, w_EKN, name)
+        except ValueError as exc:
+            if source == "argument":
+                raise
+            # The caller passed nothing: the message must say where the name came from.
+            raise ValueError(f"{source}: {exc}") from None
     priority = AUTO_PRIORITY.get(x_MK.device.type, _DEFAULT_PRIORITY)
     refusals = []
     for candidate in priority:
