@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from moe_gmm.integrations.transformers import register_moe_gmm_experts
+from moe_gmm.optim import make_adamw
 from moe_gmm.parallel import EPPlan, parallelize_moe
 from moe_gmm.parallel.dcp import load_checkpoint, save_checkpoint
 
@@ -69,9 +70,9 @@ def main() -> None:
     model = build_model(seed=0)
     plan = EPPlan(expert_parallel_size=ep, apply_modules=["model.layers.{*}.mlp.experts"], dispatcher=args.dispatcher)
     par = parallelize_moe(model, mesh, plan)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built after parallelizing
+    optimizer = make_adamw(par.model.parameters(), lr=1e-3)  # built after parallelizing
     replica = build_model(seed=0) if (args.check and rank == 0) else None
-    replica_opt = torch.optim.AdamW(replica.parameters(), lr=1e-3) if replica is not None else None
+    replica_opt = make_adamw(replica.parameters(), lr=1e-3) if replica is not None else None
     if rank == 0:
         local = model.model.layers[0].mlp.experts.ep_shard.num_local_experts  # FSDP splits their storage over dp
         print(f"mesh dp={world // ep} x ep={ep} dispatcher={args.dispatcher}: {local} of 8 experts per rank")

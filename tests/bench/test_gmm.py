@@ -41,19 +41,6 @@ def test_gmm_case_inputs_are_deterministic_and_transposed_view_is_a_view():
     assert enk.w_EKN.shape == (4, 8, 8) and not enk.w_EKN.is_contiguous()
 
 
-@pytest.mark.parametrize("layout", ["EKN", "ENK"])
-def test_gmm_case_padded_rows_hold_the_same_weight(layout):
-    plain = GmmCase(**{**TINY.__dict__, "weight_layout": layout}).make_inputs(torch.float32)
-    case = GmmCase(**{**TINY.__dict__, "weight_layout": layout, "weight_row_pad": 3})
-    padded = case.make_inputs(torch.float32)
-    assert torch.equal(padded.w_EKN, plain.w_EKN) and torch.equal(padded.x_MK, plain.x_MK)
-    row_stride = padded.w_EKN.stride(1) if layout == "EKN" else padded.w_EKN.stride(2)
-    assert row_stride == 8 + 3 and padded.w_EKN.is_leaf and padded.w_EKN.requires_grad
-    assert "rows +3" in case.columns()["label"] and case.params()["weight_row_pad"] == 3
-    with pytest.raises(ValueError, match="weight_row_pad"):
-        GmmCase(**{**TINY.__dict__, "weight_row_pad": -1})
-
-
 @pytest.mark.parametrize("name", CASE_SETS)
 def test_case_sets_cover_both_projections(name):
     cases = case_set(name)

@@ -16,13 +16,10 @@ from moe_gmm.integrations.transformers import (
     hf_to_moe_gmm_state_dict,
     moe_block_config_from_hf,
     moe_gmm_to_hf_state_dict,
-    pad_expert_weight_rows,
     register_moe_gmm_experts,
-    store_expert_weights_input_major,
 )
 from moe_gmm.layers import SparseMoeBlock
-from moe_gmm.ops.weight_layout import row_padding, stored_transposed
-from moe_gmm.testing import assert_rel_close, relative_error
+from moe_gmm.testing import assert_rel_close
 
 FP32_LIMIT = 1e-5
 
@@ -286,102 +283,6 @@ def test_causal_lm_moe_gmm_matches_eager(family):
         p.untyped_storage().data_ptr() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))
     }
     assert set(calls.weight_ptrs) <= expert_ptrs
-
-
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "mixtral"])
-def test_padded_expert_rows_same_bits_and_save_pretrained(family, tmp_path):
-    """``pad_expert_weight_rows`` changes the experts' storage only: the loss and every gradient equal
-    the contiguous model's bit for bit, and ``save_pretrained`` writes the same checkpoint."""
-    model = _causal_lm(family, "moe_gmm")
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(6))
-    loss_ref, grads_ref, _ = _loss_and_grads(model, ids)
-    model.save_pretrained(tmp_path / "contiguous")
-
-    names = pad_expert_weight_rows(model)
-    assert names == [n for n, m in model.named_modules() if n.endswith("mlp.experts")] and len(names) == 2
-    experts = [p for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))]
-    assert experts and all(row_padding(p) > 0 for p in experts)
-    assert all(p.is_contiguous() for n, p in model.named_parameters() if not n.endswith(("gate_up_proj", "down_proj")))
-    loss, grads, calls = _loss_and_grads(model, ids)
-    assert calls.calls["moe_gmm::grouped_matmul"] == 4
-    assert torch.equal(loss, loss_ref) and grads.keys() == grads_ref.keys()
-    for name, grad in grads.items():
-        assert torch.equal(grad, grads_ref[name]), name
-
-    model.save_pretrained(tmp_path / "padded")
-    model_class = getattr(transformers, MODELS[family][1])
-    reloaded = model_class.from_pretrained(tmp_path / "padded")
-    contiguous = model_class.from_pretrained(tmp_path / "contiguous")
-    for (n, a), (_, b) in zip(reloaded.state_dict().items(), contiguous.state_dict().items(), strict=True):
-        assert torch.equal(a, b), n
-    assert pad_expert_weight_rows(torch.nn.Linear(4, 4)) == []
-    with pytest.raises(TypeError, match="model"):
-        pad_expert_weight_rows({"experts": None})
-
-
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "mixtral"])
-def test_input_major_expert_weights_train_and_save_like_the_default(family, tmp_path):
-    """``store_expert_weights_input_major`` hands the grouped matmul contiguous ``[E, K, N]`` weights:
-    loss and gradients are as close to the float64 model as the eager experts' (another kernel, so
-    not bit for bit), the gradients come back in the parameters' layout, an AdamW step matches, and
-    ``save_pretrained`` writes the same checkpoint."""
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
-    loss_64, grads_64, _ = _loss_and_grads(_causal_lm(family, "eager").double(), ids)
-    model = _causal_lm(family, "eager")
-    loss_eager, grads_eager, _ = _loss_and_grads(model, ids)
-    model.set_experts_implementation("moe_gmm")
-    _, _, calls = _loss_and_grads(model, ids)
-    assert not any(calls.weights_contiguous)  # the default layout reaches the op transposed
-    model.save_pretrained(tmp_path / "default")
-    reference = _causal_lm(family, "moe_gmm")
-
-    names = store_expert_weights_input_major(model)
-    assert names == [n for n, m in model.named_modules() if n.endswith("mlp.experts")] and len(names) == 2
-    experts = {n: p for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))}
-    assert experts and all(stored_transposed(p) for p in experts.values())
-    loss, grads, calls = _loss_and_grads(model, ids)
-    assert calls.calls["moe_gmm::grouped_matmul"] == 4 and all(calls.weights_contiguous)
-    assert set(calls.weight_ptrs) <= {p.untyped_storage().data_ptr() for p in experts.values()}
-    assert grads.keys() == grads_64.keys()
-    # fp32 rounding alone is up to 4e-4 on a few small gradients (linear attention's dt_bias):
-    # each is held to twice the eager fp32 model's error, or FP32_LIMIT, whichever is larger.
-    for got, eager, want, name in [(loss, loss_eager, loss_64, "loss")] + [
-        (grads[n], grads_eager[n], grads_64[n], f"d {n}") for n in grads
-    ]:
-        limit = max(FP32_LIMIT, 2 * relative_error(eager, want))
-        assert_rel_close(got, want, limit, f"{family} {name} vs float64")
-    assert all(experts[n].grad.stride() == experts[n].stride() for n in experts)
-
-    # An SGD step on each model from its own gradients: the same weights after it. (Adam's first
-    # step is lr * sign(grad), which turns rounding in tiny gradients into lr-sized differences.)
-    for m in (model, reference):
-        m.zero_grad()
-        _loss_and_grads(m, ids)
-        torch.optim.SGD(m.parameters(), lr=1e-2).step()
-    for (n, a), (_, b) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-        assert_rel_close(a.detach(), b.detach(), FP32_LIMIT, f"{family} {n} after a step")
-    torch.optim.AdamW(model.parameters(), lr=1e-2).step()  # state in the parameters' layout
-    assert all(stored_transposed(p) and bool(p.isfinite().all()) for p in experts.values())
-
-    model.save_pretrained(tmp_path / "input_major")
-    model_class = getattr(transformers, MODELS[family][1])
-    reloaded = model_class.from_pretrained(tmp_path / "input_major")
-    for (n, a), (_, b) in zip(reloaded.state_dict().items(), model.state_dict().items(), strict=True):
-        assert torch.equal(a, b), n
-    assert all(p.is_contiguous() for p in reloaded.parameters())
-    assert all(stored_transposed(p) for n, p in model.to(torch.bfloat16).named_parameters() if n in experts)
-
-
-def test_input_major_leaves_other_modules_alone():
-    model = transformers.GptOssForCausalLM(_gpt_oss_config())  # experts already [E, in, out]
-    before = {n: p.data_ptr() for n, p in model.named_parameters()}
-    assert store_expert_weights_input_major(model) == []
-    assert before == {n: p.data_ptr() for n, p in model.named_parameters()}
-    block = SparseMoeBlock(moe_block_config_from_hf(_qwen3_5_moe_config()))
-    assert store_expert_weights_input_major(block) == [] and all(p.is_contiguous() for p in block.parameters())
-    assert store_expert_weights_input_major(torch.nn.Linear(4, 4)) == []
-    with pytest.raises(TypeError, match="model"):
-        store_expert_weights_input_major([])
 
 
 def test_bf16_model_close_to_eager():

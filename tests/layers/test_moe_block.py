@@ -68,24 +68,6 @@ def test_fused_vs_eager(dtype):
         torch.testing.assert_close(a, b, rtol=tol.rtol, atol=tol.atol)
 
 
-def test_padded_expert_weight_rows_same_bits():
-    """``pad_expert_weight_rows`` lays out only the routed experts' weights; results are unchanged."""
-    plain, padded = _block(), _block(pad_expert_weight_rows=True)
-    assert padded.experts.weight_rows_padded and not plain.experts.weight_rows_padded
-    assert all(p.is_contiguous() for n, p in padded.named_parameters() if not n.startswith("experts."))
-    padded.load_state_dict(plain.state_dict())
-    x = torch.randn(2, 9, 16)
-    results = []
-    for block in (plain, padded):
-        xi = x.clone().requires_grad_(True)
-        out = block(xi)
-        results.append([out, *torch.autograd.grad(out, [xi, *block.parameters()], torch.ones_like(out))])
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
-    with pytest.raises(TypeError, match="pad_expert_weight_rows"):
-        MoeBlockConfig(pad_expert_weight_rows="yes")
-
-
 class _OpCounter(TorchDispatchMode):
     """Counts every op that reaches the dispatcher, keyed by its overload name."""
 
@@ -279,7 +261,6 @@ def _check_against_reference(num_tokens, num_experts, top_k, hidden, inter, shar
         ("norm_topk_prob", 0),
         ("use_grouped_expert_matmul", "false"),
         ("fused_permute", 1),
-        ("pad_expert_weight_rows", None),
         ("hidden_size", True),
         ("hidden_size", 16.0),
         ("num_experts", "8"),

@@ -11,13 +11,25 @@ import torch
 from torch.profiler import profile
 
 from moe_gmm import grouped_matmul
-from moe_gmm.ops.weight_layout import pad_rows, store_transposed
 from moe_gmm.testing import assert_rel_close, reference_grouped_matmul_grads, tolerance_for
 from tests.helpers.gmm_cases import cpu_backend_names
 
 E, K, N = 4, 32, 48
 COUNTS = [5, 0, 17, 10]  # an empty expert and uneven groups
 M = sum(COUNTS)
+
+
+def _padded(w: torch.Tensor, pad: int = 16) -> torch.Tensor:
+    """``w``'s values over ``[..., R, C + pad]`` storage: rows a cache line apart more, not dense."""
+    storage = torch.zeros(*w.shape[:-1], w.shape[-1] + pad, dtype=w.dtype)
+    storage[..., : w.shape[-1]] = w
+    return storage[..., : w.shape[-1]]
+
+
+def _over_transposed(w: torch.Tensor, pad: int = 0) -> torch.Tensor:
+    """``w [..., R, C]``'s values over ``[..., C, R]`` storage (rows of that storage padded by ``pad``)."""
+    flipped = w.mT
+    return (_padded(flipped, pad) if pad else flipped.contiguous()).mT
 
 
 def _param(layout: str, dtype: torch.dtype) -> tuple[torch.nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]:
@@ -29,16 +41,16 @@ def _param(layout: str, dtype: torch.dtype) -> tuple[torch.nn.Parameter, Callabl
         return torch.nn.Parameter(w_EKN), as_is
     if layout == "enk_view":  # Hugging Face's [E, out, in], read through .transpose(1, 2)
         return torch.nn.Parameter(w_EKN.transpose(1, 2).contiguous()), flip
-    if layout == "input_major_view":  # store_expert_weights_input_major: [E, out, in] over [E, in, out] storage
-        return torch.nn.Parameter(store_transposed(w_EKN.transpose(1, 2).contiguous())), flip
+    if layout == "input_major_view":  # [E, out, in] over [E, in, out] storage, read transposed
+        return torch.nn.Parameter(_over_transposed(w_EKN.transpose(1, 2).contiguous())), flip
     if layout == "ekn_column_major":  # an [E, K, N] parameter over [E, N, K] storage
-        return torch.nn.Parameter(store_transposed(w_EKN)), as_is
-    if layout == "ekn_padded":  # GroupedExperts with padded rows
-        return torch.nn.Parameter(pad_rows(w_EKN)), as_is
-    if layout == "enk_padded_view":  # a Hugging Face parameter with padded rows
-        return torch.nn.Parameter(pad_rows(w_EKN.transpose(1, 2).contiguous())), flip
+        return torch.nn.Parameter(_over_transposed(w_EKN)), as_is
+    if layout == "ekn_padded":  # rows padded in storage (not dense)
+        return torch.nn.Parameter(_padded(w_EKN)), as_is
+    if layout == "enk_padded_view":  # a Hugging Face-layout parameter with padded rows
+        return torch.nn.Parameter(_padded(w_EKN.transpose(1, 2).contiguous())), flip
     if layout == "input_major_padded_view":  # both of the above
-        return torch.nn.Parameter(store_transposed(w_EKN.transpose(1, 2).contiguous(), pad=16)), flip
+        return torch.nn.Parameter(_over_transposed(w_EKN.transpose(1, 2).contiguous(), pad=16)), flip
     raise AssertionError(layout)
 
 

@@ -49,7 +49,6 @@ from moe_gmm.bench.machine import (
 )
 from moe_gmm.ops import grouped_matmul
 from moe_gmm.ops.backends import AUTO_PRIORITY, registered_backends, select_backend
-from moe_gmm.ops.weight_layout import pad_rows
 from moe_gmm.testing import routing_ids
 
 __all__ = ["CASE_SETS", "GmmCase", "GmmInputs", "build_parser", "case_set", "gmm_impls", "main"]
@@ -79,17 +78,12 @@ class GmmCase:
     routing: str = "uniform"
     weight_layout: str = "EKN"  # "ENK": the weight is a transposed view of an [E, N, K] tensor
     seed: int = 0
-    # Elements of padding after each row of the weight's storage (a view of [E, K, N + pad], or of
-    # [E, N, K + pad] for ENK): rows a power of two KiB apart can stream slower.
-    weight_row_pad: int = 0
 
     def __post_init__(self) -> None:
         if self.projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.weight_layout not in ("EKN", "ENK"):
             raise ValueError(f"weight_layout must be 'EKN' or 'ENK', got {self.weight_layout!r}")
-        if not isinstance(self.weight_row_pad, int) or self.weight_row_pad < 0:
-            raise ValueError(f"weight_row_pad must be an int >= 0, got {self.weight_row_pad!r}")
 
     @property
     def name(self) -> str:
@@ -114,8 +108,6 @@ class GmmCase:
     def columns(self) -> dict[str, str]:
         k, n = self.kn
         label = self.projection + ("" if self.weight_layout == "EKN" else " (ENK view)")
-        if self.weight_row_pad:
-            label += f" (rows +{self.weight_row_pad})"
         return {"label": label, "shape": f"{self.rows}x{k}x{n}"}
 
     def params(self) -> dict[str, Any]:
@@ -131,7 +123,6 @@ class GmmCase:
             "projection": self.projection,
             "routing": self.routing,
             "weight_layout": self.weight_layout,
-            "weight_row_pad": self.weight_row_pad,
             "M": self.rows,
             "K": k,
             "N": n,
@@ -146,8 +137,7 @@ class GmmCase:
         k, n = self.kn
         x = torch.randn(self.rows, k, generator=g).to(dtype)
         rows, row_len = (k, n) if self.weight_layout == "EKN" else (n, k)
-        values = (torch.randn(self.num_experts, rows, row_len, generator=g) / k**0.5).to(dtype)
-        w = pad_rows(values, self.weight_row_pad) if self.weight_row_pad else values
+        w = (torch.randn(self.num_experts, rows, row_len, generator=g) / k**0.5).to(dtype)
         if self.weight_layout == "ENK":
             w = w.transpose(1, 2)
         w_dense = (torch.randn(k, n, generator=g) / k**0.5).to(dtype)
@@ -302,12 +292,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--impls", default=None, help="comma list of implementations (eager is always included)")
     p.add_argument("--projection", default="gate_up,down", help="comma list of gate_up, down")
     p.add_argument("--weight-layout", default="EKN", choices=("EKN", "ENK"), help="ENK: transposed-view weights")
-    p.add_argument(
-        "--weight-row-pad",
-        type=int,
-        default=0,
-        help="elements of padding after each weight row in storage (the weight a view of a wider tensor)",
-    )
     p.add_argument("--min-seconds", type=float, default=None, help="keep repeating until this much time passed")
     add_run_arguments(p)
     return p
@@ -323,13 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     projections = split_choices(args.projection, PROJECTIONS, "--projection")
     cases = case_set(args.cases or ("quick" if args.quick else "full"))
     cases = [c for c in cases if c.projection in projections and (not args.filter or args.filter in c.name)]
-    if args.weight_row_pad < 0:
-        raise SystemExit(f"--weight-row-pad must be >= 0, got {args.weight_row_pad}")
-    if args.weight_layout != "EKN" or args.weight_row_pad:
-        cases = [
-            GmmCase(**{**c.__dict__, "weight_layout": args.weight_layout, "weight_row_pad": args.weight_row_pad})
-            for c in cases
-        ]
+    if args.weight_layout != "EKN":
+        cases = [GmmCase(**{**c.__dict__, "weight_layout": args.weight_layout}) for c in cases]
     if not cases:
         raise SystemExit("no case matches --cases/--filter/--projection")
     check_baseline_options(args)

@@ -8,14 +8,9 @@ Implementations, all on the same weights and the same input ``x [1, T, H]``:
   per-expert loop); the reference every other row is compared with;
 - ``hf_grouped_mm``: the same block with transformers' ``grouped_mm`` experts;
 - ``hf_moe_gmm``: the same block with experts_implementation ``moe_gmm`` (our integration);
-- ``hf_moe_gmm_padded``: ``hf_moe_gmm`` after ``pad_expert_weight_rows`` (opt-in; a copy made once);
-- ``hf_moe_gmm_input_major``: ``hf_moe_gmm`` after ``store_expert_weights_input_major`` (opt-in; a
-  copy made once);
 - ``moe_gmm``: :class:`~moe_gmm.layers.SparseMoeBlock` (fused, auto backend), weights converted
   once to its ``[E, H, 2I]`` / ``[E, I, H]`` layout;
-- ``moe_gmm_eager``: the same block with ``use_grouped_expert_matmul=False`` (opt-in);
-- ``moe_gmm_padded``: ``moe_gmm`` with its expert weights stored with padded rows, as
-  ``MoeBlockConfig(pad_expert_weight_rows=True)`` lays them out (opt-in; a copy made once).
+- ``moe_gmm_eager``: the same block with ``use_grouped_expert_matmul=False`` (opt-in).
 
 Gradients are taken for ``x`` and every parameter. ``moe_gmm``'s expert weights are handed to the
 harness as Hugging Face-layout transposed *views* of its own parameters, so its gradients compare
@@ -42,12 +37,9 @@ from moe_gmm.bench.harness import Impl, Workload
 from moe_gmm.integrations.transformers import (
     hf_to_moe_gmm_state_dict,
     moe_block_config_from_hf,
-    pad_expert_weight_rows,
     register_moe_gmm_experts,
-    store_expert_weights_input_major,
 )
 from moe_gmm.layers import SparseMoeBlock
-from moe_gmm.ops.weight_layout import pad_rows
 
 __all__ = ["CASE_SETS", "DEFAULT_IMPLS", "IMPLS", "MoeLayerCase", "MoeLayerInputs", "case_set", "layer_impls"]
 
@@ -55,24 +47,14 @@ IMPLS = (
     "hf_eager",
     "hf_grouped_mm",
     "hf_moe_gmm",
-    "hf_moe_gmm_padded",
-    "hf_moe_gmm_input_major",
     "moe_gmm",
     "moe_gmm_eager",
-    "moe_gmm_padded",
 )
 DEFAULT_IMPLS = ("hf_eager", "hf_grouped_mm", "hf_moe_gmm", "moe_gmm")
 _HF_IMPL = {
     "hf_eager": "eager",
     "hf_grouped_mm": "grouped_mm",
     "hf_moe_gmm": "moe_gmm",
-    "hf_moe_gmm_padded": "moe_gmm",
-    "hf_moe_gmm_input_major": "moe_gmm",
-}
-# What each opt-in Hugging Face variant does to its block's expert weights once, before the steps.
-_HF_RELAYOUT = {
-    "hf_moe_gmm_padded": (pad_expert_weight_rows, "padded expert rows"),
-    "hf_moe_gmm_input_major": (store_expert_weights_input_major, "expert weights stored input-major"),
 }
 _MODE_FACTOR = {"fwd": 1, "bwd": 2, "fwdbwd": 3}
 # moe-gmm parameters stored transposed relative to transformers' (see the module docstring).
@@ -175,30 +157,24 @@ def _hf_impl(name: str) -> Impl:
         with torch.device("meta"):
             hf_block = Qwen3_5MoeSparseMoeBlock(cfg)
         hf_block.load_state_dict(inp.hf_block.state_dict(), assign=True)
-        if name in _HF_RELAYOUT:  # this block's expert weights copied once into another layout
-            _HF_RELAYOUT[name][0](hf_block)
         leaves = (inp.x, *hf_block.parameters())
         return Workload(forward=lambda: hf_block(inp.x), leaves=leaves)
 
     return Impl(
         name=name,
         prepare=prepare,
-        description=f"transformers Qwen3_5MoeSparseMoeBlock, {implementation} experts"
-        + (f", {_HF_RELAYOUT[name][1]}" if name in _HF_RELAYOUT else ""),
+        description=f"transformers Qwen3_5MoeSparseMoeBlock, {implementation} experts",
     )
 
 
 def _ours_impl(name: str) -> Impl:
     fused = name != "moe_gmm_eager"
-    padded = name == "moe_gmm_padded"
 
     def prepare(inp: MoeLayerInputs) -> Workload:
         # A parameter-less twin with this implementation's switch; it runs on inp.block's tensors.
         with torch.device("meta"):
             block = SparseMoeBlock(dataclasses.replace(inp.block.config, use_grouped_expert_matmul=fused))
         ours = dict(inp.block.named_parameters())
-        if padded:  # the expert weights copied once into padded rows (same values)
-            ours.update({n: pad_rows(ours[n]).requires_grad_() for n in _TRANSPOSED})
         # Leaves in transformers' order and layout: transposed views of our parameters (no copy).
         exposed = {n: (ours[n].transpose(1, 2) if n in _TRANSPOSED else ours[n]) for n in ours}
         used = {n: (exposed[n].transpose(1, 2) if n in _TRANSPOSED else exposed[n]) for n in ours}
@@ -213,7 +189,7 @@ def _ours_impl(name: str) -> Impl:
         name=name,
         prepare=prepare,
         description="moe_gmm SparseMoeBlock, "
-        + ("eager loop" if not fused else "grouped_matmul (auto backend)" + (", padded expert rows" if padded else "")),
+        + ("grouped_matmul (auto backend)" if fused else "eager loop"),
     )
 
 

@@ -36,7 +36,6 @@ from moe_gmm.integrations.support import expert_mlp_support, run_expert_mlp
 from moe_gmm.layers.moe_block import MoeBlockConfig
 from moe_gmm.ops.grouped_matmul import grouped_matmul
 from moe_gmm.ops.permute import permute, unpermute
-from moe_gmm.ops.weight_layout import lay_out_rows, lay_out_transposed
 
 __all__ = [
     "ExpertsDescription",
@@ -45,9 +44,7 @@ __all__ = [
     "make_moe_gmm_experts_forward",
     "moe_block_config_from_hf",
     "moe_gmm_to_hf_state_dict",
-    "pad_expert_weight_rows",
     "register_moe_gmm_experts",
-    "store_expert_weights_input_major",
 ]
 
 # ``<prefix>experts.gate_up_proj`` / ``<prefix>experts.down_proj``: the stacked 3-D expert weights.
@@ -161,73 +158,6 @@ def register_moe_gmm_experts(name: str = "moe_gmm", *, backend: str | None = Non
 
 # Marks the forwards registered by register_moe_gmm_experts, which may replace one another.
 _OURS = "_moe_gmm_experts_forward"
-
-
-def pad_expert_weight_rows(model: torch.nn.Module) -> list[str]:
-    """Store every routed-experts module's ``gate_up_proj`` / ``down_proj`` (3-D parameters) on CPU
-    with one cache line of padding after each row (:mod:`moe_gmm.ops.weight_layout`); returns the
-    names of the modules laid out so.
-
-    The same values and ``Parameter`` objects: results are unchanged bit for bit, and float32
-    experts with few rows each run faster (``docs/cpu_kernels.md``). ``save_pretrained`` writes
-    contiguous copies as usual. A Hugging Face module's ``.to(...)`` afterwards makes the weights
-    contiguous again, so call this after dtype and device conversions;
-    :class:`~moe_gmm.layers.GroupedExperts` modules keep the layout themselves
-    (``set_weight_row_padding``). Parameters on other devices are left as they are.
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    from moe_gmm.layers.experts import GroupedExperts
-
-    padded = []
-    for name, module in model.named_modules():
-        weights = [getattr(module, n, None) for n in ("gate_up_proj", "down_proj")]
-        if not all(isinstance(w, torch.nn.Parameter) and w.dim() == 3 for w in weights):
-            continue
-        if any(w.device.type != "cpu" for w in weights):
-            continue
-        if isinstance(module, GroupedExperts):
-            module.set_weight_row_padding(True)
-        else:
-            for w in weights:
-                lay_out_rows(w, True)
-        padded.append(name)
-    return padded
-
-
-def store_expert_weights_input_major(model: torch.nn.Module) -> list[str]:
-    """Store every Hugging Face routed-experts module's 3-D weights (``gate_up_proj`` or ``up_proj``,
-    and ``down_proj``) as ``[E, in, out]`` in memory, in place; returns the names of the modules
-    changed.
-
-    Shapes, values and ``Parameter`` objects stay: a ``[E, out, in]`` weight becomes the transposed
-    view of ``[E, in, out]`` storage (:func:`moe_gmm.ops.weight_layout.store_transposed`), the
-    contiguous ``[E, K, N]`` weight the grouped matmul's forward reads fastest: a gain for
-    inference, about even for training (``docs/performance.md``). The forward takes another kernel, so
-    results agree with the default layout to rounding, not bit for bit. Row padding (:func:`pad_expert_weight_rows`, before or after) is kept. ``.to(dtype)`` keeps
-    the unpadded layout (PyTorch preserves a dense tensor's strides); ``save_pretrained`` writes the
-    usual contiguous checkpoint. Modules whose weights are already ``[E, in, out]``
-    (``is_transposed``) and moe-gmm's own :class:`~moe_gmm.layers.GroupedExperts` are left as they
-    are.
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    from moe_gmm.layers.experts import GroupedExperts
-
-    changed = []
-    for name, module in model.named_modules():
-        if isinstance(module, GroupedExperts) or getattr(module, "is_transposed", False):
-            continue
-        first = getattr(module, "gate_up_proj", None)
-        if first is None:
-            first = getattr(module, "up_proj", None)
-        weights = [first, getattr(module, "down_proj", None)]
-        if not all(isinstance(w, torch.nn.Parameter) and w.dim() == 3 for w in weights):
-            continue
-        for w in weights:
-            lay_out_transposed(w, True)
-        changed.append(name)
-    return changed
 
 
 # --------------------------------------------------------------------------------------------

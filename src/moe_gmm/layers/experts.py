@@ -12,7 +12,6 @@ from torch.profiler import record_function
 from moe_gmm.ops.expert_mlp import expert_mlp
 from moe_gmm.ops.gather_gmm import moe_mlp_gather_scatter
 from moe_gmm.ops.permute import permute, unpermute
-from moe_gmm.ops.weight_layout import lay_out_rows, row_padding
 
 __all__ = ["GroupedExperts"]
 
@@ -35,18 +34,6 @@ class GroupedExperts(nn.Module):
     permute gather and the unpermute scatter happen inside the triton grouped-matmul kernels, so the
     ``[T*k, H]`` permuted activations are never materialised (CUDA, or CPU under the Triton
     interpreter).
-
-    ``pad_weight_rows=True`` stores each weight row on CPU followed by one cache line of unused
-    elements (:mod:`moe_gmm.ops.weight_layout`): the same values, read faster by the CPU kernels
-    when rows would otherwise lie a multiple of 1-4 KiB apart (many small float32 experts), for
-    64 bytes more memory per row (3% of a 2 KiB row). :attr:`weight_rows_padded` says whether the
-    weights are laid out so now. Conversions through the module (``.to(dtype)``, ``.to("cpu")``,
-    ``to_empty``), ``copy.deepcopy`` and unpickling lay them out again; on other devices they stay
-    contiguous. ``state_dict()`` holds the parameters themselves, as always (views that
-    ``load_state_dict`` and ``copy_`` write through); ``torch.save`` keeps the padding, while
-    safetensors, which takes contiguous tensors only, needs ``.contiguous()`` copies. Code that
-    replaces the parameters (``load_state_dict(assign=True)``) leaves them contiguous until the next
-    conversion or :meth:`set_weight_row_padding`.
     """
 
     def __init__(
@@ -59,7 +46,6 @@ class GroupedExperts(nn.Module):
         backend: str | None = None,
         validate_routing: bool = True,
         fused_permute: bool = False,
-        pad_weight_rows: bool = False,
     ) -> None:
         super().__init__()
         if fused_permute and (not use_grouped_expert_matmul or backend not in (None, "triton")):
@@ -74,8 +60,6 @@ class GroupedExperts(nn.Module):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(pad_weight_rows, bool):
-            raise TypeError(f"pad_weight_rows must be a bool, got {type(pad_weight_rows).__name__}")
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -87,39 +71,6 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.reset_parameters()
-        self.pad_weight_rows = False
-        self.set_weight_row_padding(pad_weight_rows)
-
-    @property
-    def weight_rows_padded(self) -> bool:
-        """Whether both expert weights are stored with padded rows now (see the class docstring)."""
-        return all(row_padding(p) > 0 for p in (self.gate_up_proj, self.down_proj))
-
-    def set_weight_row_padding(self, enabled: bool) -> None:
-        """Padded rows (``True``) or contiguous weights (``False``), re-laid out in place: same values,
-        same ``Parameter`` objects (an optimizer keeps them). Off the CPU the weights stay contiguous
-        and are padded when they come to it (``.to("cpu")``, ``to_empty(device="cpu")``)."""
-        if not isinstance(enabled, bool):
-            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-        self.pad_weight_rows = enabled
-        self._lay_out_weights()
-
-    def _lay_out_weights(self) -> None:
-        for p in (self.gate_up_proj, self.down_proj):
-            lay_out_rows(p, self.pad_weight_rows)
-
-    def __setstate__(self, state):
-        # copy.deepcopy and unpickling clone the parameters into contiguous memory: lay them out again.
-        super().__setstate__(state)
-        if getattr(self, "pad_weight_rows", False):
-            self._lay_out_weights()
-
-    def _apply(self, fn, recurse=True):
-        # A conversion (.to(dtype), .double(), to_empty) yields contiguous weights: lay them out again.
-        result = super()._apply(fn, recurse)
-        if getattr(self, "pad_weight_rows", False):
-            self._lay_out_weights()
-        return result
 
     def reset_parameters(self) -> None:
         # nn.Linear's default bound 1/sqrt(fan_in) per expert.
@@ -172,5 +123,4 @@ class GroupedExperts(nn.Module):
             f"intermediate_size={self.intermediate_size}, use_grouped_expert_matmul={self.use_grouped_expert_matmul}, "
             f"backend={self.backend!r}"
             + (", fused_permute=True" if self.fused_permute else "")
-            + (", pad_weight_rows=True" if self.pad_weight_rows else "")
         )

@@ -39,8 +39,6 @@ class MoeBlockConfig:
     ``shared_expert_intermediate_size = 0`` builds no shared expert (Qwen3-MoE, Mixtral).
     ``router_aux_loss_coef > 0`` makes each forward store the scaled load-balancing loss in
     ``block.aux_loss`` (add it to the training loss yourself).
-    ``pad_expert_weight_rows`` stores the routed experts' weights with padded rows (CPU; see
-    :class:`~moe_gmm.layers.GroupedExperts`).
     """
 
     hidden_size: int = 256
@@ -54,8 +52,6 @@ class MoeBlockConfig:
     router_aux_loss_coef: float = 0.0
     # Fuse permute / unpermute into the grouped matmuls (triton gather/scatter kernels; see GroupedExperts).
     fused_permute: bool = False
-    # Routed experts' weight rows padded by a cache line in storage (CPU): faster few-row float32 experts.
-    pad_expert_weight_rows: bool = False
 
     def __post_init__(self) -> None:
         # Types first: a string 'false' or an int 1 would otherwise pass as truthy or fail at the first forward.
@@ -116,7 +112,6 @@ class SparseMoeBlock(nn.Module):
             backend=config.gmm_backend,
             validate_routing=False,  # the router's top-k yields ids in [0, E)
             fused_permute=config.fused_permute,
-            pad_weight_rows=config.pad_expert_weight_rows,
         )
         if config.shared_expert_intermediate_size > 0:
             self.shared_expert = SharedExpertMLP(config.hidden_size, config.shared_expert_intermediate_size)

@@ -4,7 +4,7 @@ Typical use (every rank; ``torchrun --nproc-per-node dp*ep``)::
 
     mesh = init_device_mesh("cuda", (dp, ep), mesh_dim_names=("dp", "ep"))
     par = parallelize_moe(model, mesh, EPPlan(ep, ["model.layers.{*}.mlp.experts"]))
-    optimizer = torch.optim.AdamW(par.model.parameters())      # after parallelizing
+    optimizer = make_adamw(par.model.parameters(), lr=1e-3)   # moe_gmm.optim; after parallelizing
     for batch in my_share_of_the_global_batch:
         loss_sum = loss_fn(par.model(batch.x), batch.y, reduction="sum")
         par.normalize_loss(loss_sum, batch.num_tokens).backward()  # / tokens over all ranks
@@ -16,7 +16,7 @@ Typical use (every rank; ``torchrun --nproc-per-node dp*ep``)::
 Experts are DTensor ``Shard(0)`` on ``mesh["ep"]`` and FSDP over ``dp``; dense layers FSDP over all
 ranks; every reduction a sum, so the gradients equal one process on the concatenated batch.
 ``replicate_moe`` (same arguments and handle) keeps dense parameters whole under DDP.
-``par.optimizer(torch.optim.AdamW, lr=...)`` builds the optimizer on the sharded parameters.
+Build the optimizer after parallelizing, on the sharded parameters: ``make_adamw(par.model.parameters(), lr=...)``.
 ``examples/ep_train.py`` runs it under torchrun.
 
 Guards (:mod:`moe_gmm.parallel.guards`): an optimizer over parameters that sharding replaced fails

@@ -14,7 +14,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe_gmm.integrations.support import expert_mlp_support, run_expert_mlp
-from moe_gmm.ops.weight_layout import pad_rows, row_padding
 from moe_gmm.parallel.comm import collective
 from moe_gmm.parallel.dispatcher import AllToAllDispatcher, OverlappedAllToAllDispatcher
 from moe_gmm.parallel.guards import record_replaced
@@ -130,8 +129,7 @@ def apply_expert_parallel(
         for pname in EXPERT_PARAMS:
             full = getattr(module, pname)
             owned = full.detach()[lo:hi]
-            pad = row_padding(full)  # a padded layout (GroupedExperts(pad_weight_rows=True)) stays padded
-            local = nn.Parameter(pad_rows(owned, pad) if pad else owned.clone(), requires_grad=full.requires_grad)
+            local = nn.Parameter(owned.clone(), requires_grad=full.requires_grad)
             setattr(module, pname, local)
             record_replaced([(f"{name}.{pname}", full)], "apply_expert_parallel")
         # Experts modules get their ids from their block's top-k over E logits, so the range check

@@ -76,7 +76,7 @@ def _shard_experts_as_dtensor(model: nn.Module, experts: list[str], moe_mesh: Mo
         module = modules[name]
         for pname in EXPERT_PARAMS:
             local = getattr(module, pname)
-            data = local.detach().contiguous()  # a padded-rows layout is dropped: FSDP owns the storage now
+            data = local.detach().contiguous()  # FSDP owns the storage now: its own contiguous layout
             global_shape = torch.Size((module.ep_shard.num_experts, *data.shape[1:]))
             stride = torch.empty(global_shape, device="meta").stride()
             tensor = DTensor.from_local(data, ep_mesh, [Shard(0)], run_check=False, shape=global_shape, stride=stride)

@@ -73,7 +73,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None = 
         raise ValueError(
             f"optimizer holds {len(stale)} parameter(s) that expert-parallel sharding replaced, so stepping "
             f"them never changes the model: {_listed(stale)}; build the optimizer after sharding, from "
-            "model.parameters() or the returned handle's .optimizer(torch.optim.AdamW, lr=...)"
+            "model.parameters(), e.g. make_adamw(model.parameters(), lr=...)"
         )
     if model is not None:
         ids = {id(p) for p in held}

@@ -99,7 +99,8 @@ class ParallelizedMoe:
         return self.module.parameters()
 
     def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
-        """``cls(self.parameters(), **kwargs)``, e.g. ``par.optimizer(torch.optim.AdamW, lr=1e-3)``."""
+        """``cls(self.parameters(), **kwargs)`` for an optimizer class; moe-gmm's AdamW is
+        ``make_adamw(par.parameters(), lr=...)`` (:mod:`moe_gmm.optim`)."""
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise TypeError(f"cls must be a torch.optim.Optimizer subclass, got {cls!r}")
         return cls(self.parameters(), **kwargs)
