@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
@@ -19,6 +20,7 @@ __all__ = [
     "FLOAT32_UNIT_ROUNDOFF",
     "ROUTINGS",
     "Float32RoundingNoise",
+    "Float64Everywhere",
     "Tolerance",
     "assert_rel_close",
     "beyond_rounding_noise",
@@ -341,6 +343,24 @@ def reference_moe_block(params: dict[str, torch.Tensor], x_TH: torch.Tensor, top
 
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24
 _DISCARDED_BITS = 52 - 23  # float64 mantissa bits a float32 rounding drops
+
+
+class Float64Everywhere(TorchFunctionMode):
+    """Run a float64 model where its code asks for float32 too (``.float()``, ``dtype=torch.float32``).
+
+    Models upcast their routers with ``.float()``; in a ``.double()`` copy that is a downcast, which
+    leaves a float32 island in the reference or fails against a float64 weight.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        def widen(value: object) -> object:
+            return torch.float64 if value is torch.float32 else value
+
+        if func is torch.Tensor.float:
+            func = torch.Tensor.double
+        args = tuple(widen(a) for a in args)
+        kwargs = {k: widen(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
 
 
 class Float32RoundingNoise(TorchDispatchMode):

@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 from moe_gmm.integrations.support import expert_mlp_support
 from moe_gmm.integrations.transformers import register_moe_gmm_experts
-from moe_gmm.testing import Float32RoundingNoise, beyond_rounding_noise, rounding_noise
+from moe_gmm.testing import Float32RoundingNoise, Float64Everywhere, beyond_rounding_noise, rounding_noise
 from tests.helpers.gmm_calls import GmmCalls
 from tests.helpers.hf_moe_families import Family, build, discover_families, is_experts_module, tiny_config
 
@@ -163,11 +163,12 @@ def _tensors(run: tuple) -> dict[str, torch.Tensor]:
 
 def _float64_judge(family: Family, state: dict[str, torch.Tensor]):
     """The float64 loss and gradients of ``family`` on ``state``, and each one's float32 rounding noise."""
-    exact = _tensors(_run(build(family, "eager", state=state).double(), _ids()))
+    with Float64Everywhere():
+        exact = _tensors(_run(build(family, "eager", state=state).double(), _ids()))
     perturbed = []
     for seed in range(NOISE_RUNS):
         model = build(family, "eager", state=state).double()
-        with Float32RoundingNoise(seed):
+        with Float64Everywhere(), Float32RoundingNoise(seed):
             perturbed.append(_tensors(_run(model, _ids())))
     return exact, rounding_noise(exact, perturbed)
 
