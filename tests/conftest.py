@@ -1,4 +1,5 @@
-"""Test-wide settings: quiet hubs, the Triton interpreter on CPU, deterministic seeds, memory poisoning."""
+"""Test-wide settings: quiet hubs, the Triton interpreter on CPU, deterministic seeds, memory poisoning,
+and a guard that fails any test leaving a process-wide setting changed."""
 
 from __future__ import annotations
 
@@ -18,7 +19,22 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(autouse=True)
-def _seed() -> None:
+def _no_leaks():
+    """Fail a test that leaves a process-wide setting changed (``tests/helpers/global_state.py``).
+
+    Every later test would otherwise run under it: a thread count left at 1 changes reduction
+    orders, a dtype or tuning changes what runs. The settings are put back before failing, so one
+    leak fails one test. Requested first by every test, so it checks after every other fixture's
+    teardown (monkeypatch's undo included).
+    """
+    from tests.helpers.global_state import no_leaks
+
+    with no_leaks():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _seed(_no_leaks) -> None:
     torch.manual_seed(0)
 
 

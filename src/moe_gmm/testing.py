@@ -8,14 +8,22 @@ Legend: M rows, K in-features, N out-features, E experts, T tokens, k top-k slot
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 __all__ = [
+    "FLOAT32_UNIT_ROUNDOFF",
     "ROUTINGS",
+    "Float32RoundingNoise",
+    "Float64Everywhere",
     "Tolerance",
     "assert_rel_close",
+    "beyond_rounding_noise",
     "gmm_inputs",
     "group_counts",
     "reference_grouped_matmul",
@@ -29,6 +37,7 @@ __all__ = [
     "reference_unpermute",
     "reference_unpermute_grads",
     "relative_error",
+    "rounding_noise",
     "routing_ids",
     "tolerance_for",
 ]
@@ -326,3 +335,87 @@ def reference_moe_block(params: dict[str, torch.Tensor], x_TH: torch.Tensor, top
         shared = (gate * torch.sigmoid(gate) * up) @ p["shared_expert.down_proj.weight"].T
         out = out + torch.sigmoid(x64 @ p["shared_expert_gate.weight"].T) * shared
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Rounding noise: what "as accurate as float32 can be" means for a whole computation
+# ----------------------------------------------------------------------------------------------
+
+FLOAT32_UNIT_ROUNDOFF = 2.0**-24
+_DISCARDED_BITS = 52 - 23  # float64 mantissa bits a float32 rounding drops
+
+
+class Float64Everywhere(TorchFunctionMode):
+    """Run a float64 model where its code asks for float32 too (``.float()``, ``dtype=torch.float32``).
+
+    Models upcast their routers with ``.float()``; in a ``.double()`` copy that is a downcast, which
+    leaves a float32 island in the reference or fails against a float64 weight.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        def widen(value: object) -> object:
+            return torch.float64 if value is torch.float32 else value
+
+        if func is torch.Tensor.float:
+            func = torch.Tensor.double
+        args = tuple(widen(a) for a in args)
+        kwargs = {k: widen(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+class Float32RoundingNoise(TorchDispatchMode):
+    """Float64 arithmetic in which every op's result carries a relative error of up to float32's unit
+    roundoff (Monte Carlo arithmetic at op granularity).
+
+    A float32 run of the same code differs from float64 by such errors, whatever its thread count
+    or summation order; the spread of a few of these runs around the plain float64 run is therefore
+    the rounding noise of that computation, large exactly where it is ill-conditioned (sums that
+    cancel). The error is a function of the value's own discarded bits and ``seed``, as a rounding
+    is: equal values stay equal, so exact ties (routing) and exact cancellations (``x - x``) stay
+    exact, as they do in float32. Views, in-place and ``out=`` ops are left alone.
+    """
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        # An odd multiplier per seed scatters the discarded bits into a different error per seed.
+        self._multiplier = 2 * (0x9E3779B1 + 7919 * seed) + 1
+
+    def _perturb(self, value: object) -> object:
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float64 or value.numel() == 0:
+            return value
+        discarded = value.view(torch.int64) & ((1 << _DISCARDED_BITS) - 1)
+        mixed = (discarded * (self._multiplier & ((1 << 30) - 1))) & ((1 << _DISCARDED_BITS) - 1)
+        error = mixed.double() / (1 << (_DISCARDED_BITS - 1)) - 1.0  # in [-1, 1)
+        error = error.masked_fill(discarded == 0, 0.0)  # float32 holds it: copies, gathers, max stay exact
+        return value * (1.0 + FLOAT32_UNIT_ROUNDOFF * error)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out
+        return tree_map(self._perturb, out)
+
+
+def rounding_noise(
+    exact: Mapping[str, torch.Tensor], perturbed: Sequence[Mapping[str, torch.Tensor]]
+) -> dict[str, float]:
+    """Per tensor, the largest norm distance of a :class:`Float32RoundingNoise` run from the plain
+    float64 run, and at least float32's rounding of the exact values themselves."""
+    noise = {}
+    for name, value in exact.items():
+        ref = value.detach().double()
+        spread = max((run[name].detach().double() - ref).norm().item() for run in perturbed)
+        noise[name] = max(spread, FLOAT32_UNIT_ROUNDOFF * ref.norm().item())
+    return noise
+
+
+def beyond_rounding_noise(
+    values: Mapping[str, torch.Tensor], exact: Mapping[str, torch.Tensor], noise: Mapping[str, float], factor: float
+) -> list[str]:
+    """One line per tensor farther than ``factor`` times its rounding noise from the float64 run."""
+    failures = []
+    for name, value in values.items():
+        error = (value.detach().double() - exact[name].detach().double()).norm().item()
+        if not error <= factor * noise[name]:
+            failures.append(f"{name}: {error:.2e} from float64, {error / noise[name]:.1f}x its rounding noise")
+    return failures

@@ -15,7 +15,9 @@ from moe_gmm.bench.harness import (
     Unsupported,
     Workload,
     case_rate_note,
+    restores_threads,
     run_benchmark,
+    set_threads,
     summarize,
     time_interleaved,
     timing_from_samples,
@@ -256,3 +258,26 @@ def test_probes_time_the_gemm_that_set_each_peak():
     rows = [{"dtype": "fp32", "case_gemm_rate": 5e10}, {"dtype": "fp32", "case_gemm_rate": 1e11}, {"dtype": "bf16"}]
     assert "fp32 50%-100% of the peak" in case_rate_note(rows, limits)
     assert case_rate_note([{"dtype": "bf16"}], limits) == "compute floors: the run's peak GEMM rate"
+
+
+def test_runner_entry_points_hand_back_the_thread_count():
+    """A runner called in-process restores the caller's thread count, on return and on error alike."""
+    before = torch.get_num_threads()
+    other = 2 if before == 1 else 1
+
+    @restores_threads
+    def main(fail: bool) -> int:
+        set_threads(other)
+        assert torch.get_num_threads() == other
+        if fail:
+            raise SystemExit("failed after --threads")
+        return 0
+
+    assert main(False) == 0
+    assert torch.get_num_threads() == before
+    with pytest.raises(SystemExit, match="failed after"):
+        main(True)
+    assert torch.get_num_threads() == before
+    with pytest.raises(SystemExit, match="--threads must be >= 1, got 0"):
+        set_threads(0)
+    assert torch.get_num_threads() == before

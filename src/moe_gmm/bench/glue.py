@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moe_gmm.bench.harness import TimingSettings, time_interleaved
+from moe_gmm.bench.harness import TimingSettings, restores_threads, set_threads, time_interleaved
 from moe_gmm.bench.machine import describe_machine, measure_copy_bandwidth
 from moe_gmm.bench.table import markdown_table, write_outputs
 from moe_gmm.ops import native
@@ -155,6 +155,7 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines + markdown_table(header, cells)) + "\n"
 
 
+@restores_threads
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="fp32,bf16", help="comma-separated: fp32, bf16")
@@ -167,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [d for d in dtypes if d not in _DTYPES]
     if bad:
         parser.error(f"--dtype: unknown {bad}; choose from {list(_DTYPES)}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     settings = TimingSettings(warmup=1, min_repeats=3, max_repeats=5, min_seconds=0.0) if args.quick else None
     report = run(CASES[:1] if args.quick else CASES, dtypes, settings)
     text = markdown(report)

@@ -36,7 +36,9 @@ from moe_gmm.bench.harness import (
     case_rate_note,
     maybe_progress,
     recheck_calibration,
+    restores_threads,
     run_benchmark,
+    set_threads,
     split_choices,
     warning_printer,
 )
@@ -297,6 +299,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
+@restores_threads
 def main(argv: list[str] | None = None) -> int:
     from moe_gmm.bench.table import markdown_report, print_report
     from moe_gmm.report.render import wide_console
@@ -323,10 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             max_repeats=max(settings.max_repeats, args.repeats or 0),
             min_seconds=settings.min_seconds if args.min_seconds is None else args.min_seconds,
         )
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     console = wide_console()
     machine = describe_machine()
     console.print(f"measuring machine limits ({', '.join(DTYPE_NAMES[d] for d in dtypes)} GEMM, copy bandwidth)...")

@@ -18,6 +18,7 @@ upstream gradient is a fixed contiguous random tensor.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol
 
 import torch
 
@@ -519,6 +520,37 @@ def maybe_progress(enabled: bool):
         console=Console(stderr=True),
         transient=True,
     )
+
+
+_P = ParamSpec("_P")
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply a runner's ``--threads`` (None: keep torch's count); its entry point restores the count."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+
+
+def restores_threads(main: Callable[_P, int]) -> Callable[_P, int]:
+    """Wrap a runner's ``main`` so the torch thread count it found is back when it returns or raises.
+
+    The runners are called in-process too (tests, ``moe-gmm bench``); a count left behind would
+    change the speed and the reduction order of everything that runs after them.
+    """
+
+    @functools.wraps(main)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> int:
+        before = torch.get_num_threads()
+        try:
+            return main(*args, **kwargs)
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+
+    return wrapper
 
 
 def split_choices(text: str, allowed: Iterable[str], what: str) -> list[str]:

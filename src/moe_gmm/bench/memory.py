@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from moe_gmm.bench.harness import Workload, _timed_callable
+from moe_gmm.bench.harness import Workload, _timed_callable, restores_threads, set_threads
 from moe_gmm.bench.layer_cases import IMPLS, MoeLayerCase, layer_impls
 from moe_gmm.bench.machine import DTYPE_NAMES
 from moe_gmm.bench.table import markdown_table
@@ -369,14 +369,14 @@ def memory_markdown(records: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+@restores_threads
 def main(argv: list[str] | None = None) -> int:
     """Subprocess entry: measure one layer, print one JSON line."""
     p = argparse.ArgumentParser(description="Peak memory of one fwd+bwd step vs its budget (one JSON line).")
     p.add_argument("spec", help='JSON: {"case": MoeLayerCase params, "dtype": "fp32"|"bf16", "impl": name}')
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = p.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     spec = json.loads(args.spec)
     prime = moe_layer_job(_tiny(spec))
     job = moe_layer_job(spec)  # creates dy: before the baseline

@@ -34,7 +34,9 @@ from moe_gmm.bench.harness import (
     case_rate_note,
     maybe_progress,
     recheck_calibration,
+    restores_threads,
     run_benchmark,
+    set_threads,
     split_choices,
     time_interleaved,
     warning_printer,
@@ -259,6 +261,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
+@restores_threads
 def main(argv: list[str] | None = None) -> int:
     import json
     from pathlib import Path
@@ -285,10 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = TimingSettings(
             settings.warmup, args.repeats, max(settings.max_repeats, args.repeats), settings.min_seconds
         )
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     console = wide_console()
     command = "python -m moe_gmm.bench.moe_layer " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
