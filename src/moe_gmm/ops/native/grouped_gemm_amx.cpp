@@ -353,12 +353,14 @@ inline bool any_special(const float* v) {
 }
 
 // Tiles 0-3 (+)= the even (4) and odd (5) spread inputs times two 32-column blocks of a band (16
-// weight rows, ldw apart, from src). Whole: each block's rows straight from memory into one B tile
-// serving both products. Split: each block as two copies, the odd and the even columns zeroed
-// (split_band_block), one B tile each; `split` holds them.
+// weight rows, ldw apart, from src), requesting `next` (nullptr: none) as prefetch_band does. Whole:
+// each block's rows straight from memory into one B tile serving both products, the prefetch
+// issued after the tile loads (before them: 5-8% slower). Split: each block as two copies, the odd
+// and the even columns zeroed (split_band_block), one B tile each; `split` holds them.
 template <bool Split>
-inline void band_blocks_product(const uint16_t* src, int64_t ldw, uint16_t* split) {
+inline void band_blocks_product(const uint16_t* src, int64_t ldw, const uint16_t* next, uint16_t* split) {
   if constexpr (Split) {
+    if (next != nullptr) prefetch_band(next, ldw, 2);
     uint16_t* odd = split + kTileRows * kBlock;
     split_band_block(src, ldw, split, odd);
     _tile_loadd(6, split, 64);
@@ -373,6 +375,7 @@ inline void band_blocks_product(const uint16_t* src, int64_t ldw, uint16_t* spli
   } else {
     _tile_loadd(6, src, ldw * 2);
     _tile_loadd(7, src + kBlock, ldw * 2);
+    if (next != nullptr) prefetch_band(next, ldw, 2);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 5, 6);
     _tile_dpbf16ps(2, 4, 7);
@@ -382,8 +385,9 @@ inline void band_blocks_product(const uint16_t* src, int64_t ldw, uint16_t* spli
 
 // Tiles 0-1 (+)= the same for one block.
 template <bool Split>
-inline void band_block_product(const uint16_t* src, int64_t ldw, uint16_t* split) {
+inline void band_block_product(const uint16_t* src, int64_t ldw, const uint16_t* next, uint16_t* split) {
   if constexpr (Split) {
+    if (next != nullptr) prefetch_band(next, ldw, 1);
     uint16_t* odd = split + kTileRows * kBlock;
     split_band_block(src, ldw, split, odd);
     _tile_loadd(6, split, 64);
@@ -392,6 +396,7 @@ inline void band_block_product(const uint16_t* src, int64_t ldw, uint16_t* split
     _tile_dpbf16ps(1, 5, 7);
   } else {
     _tile_loadd(6, src, ldw * 2);
+    if (next != nullptr) prefetch_band(next, ldw, 1);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 5, 6);
   }
@@ -435,8 +440,8 @@ bool spread_product(const uint16_t* even, const uint16_t* odd, int64_t ld, int64
         _tile_loadd(2, c + 2 * kTile, 64);
         _tile_loadd(3, c + 3 * kTile, 64);
       }
-      if (k + kTileRows < depth) prefetch_band(band + kTileRows * ldw + b * kBlock, ldw, 2);
-      band_blocks_product<Split>(band + b * kBlock, ldw, split);
+      const uint16_t* next = k + kTileRows < depth ? band + kTileRows * ldw + b * kBlock : nullptr;
+      band_blocks_product<Split>(band + b * kBlock, ldw, next, split);
       _tile_stored(0, c, 64);
       _tile_stored(1, c + kTile, 64);
       _tile_stored(2, c + 2 * kTile, 64);
@@ -451,8 +456,8 @@ bool spread_product(const uint16_t* even, const uint16_t* odd, int64_t ld, int64
         _tile_loadd(0, c, 64);
         _tile_loadd(1, c + kTile, 64);
       }
-      if (k + kTileRows < depth) prefetch_band(band + kTileRows * ldw + b * kBlock, ldw, 1);
-      band_block_product<Split>(band + b * kBlock, ldw, split);
+      const uint16_t* next = k + kTileRows < depth ? band + kTileRows * ldw + b * kBlock : nullptr;
+      band_block_product<Split>(band + b * kBlock, ldw, next, split);
       _tile_stored(0, c, 64);
       _tile_stored(1, c + kTile, 64);
     }
