@@ -355,7 +355,7 @@ inline bool any_special(const float* v) {
 // Tiles 0-3 (+)= the even (4) and odd (5) spread inputs times two 32-column blocks of a band (16
 // weight rows, ldw apart, from src), requesting `next` (nullptr: none) as prefetch_band does. Whole:
 // each block's rows straight from memory into one B tile serving both products, the prefetch
-// issued after the tile loads (before them: 5-8% slower). Split: each block as two copies, the odd
+// issued after the tile loads (before them ran slower). Split: each block as two copies, the odd
 // and the even columns zeroed (split_band_block), one B tile each; `split` holds them.
 template <bool Split>
 inline void band_blocks_product(const uint16_t* src, int64_t ldw, const uint16_t* next, uint16_t* split) {
@@ -411,7 +411,7 @@ inline void band_block_product(const uint16_t* src, int64_t ldw, const uint16_t*
 // are finite (0 * w adds nothing), but an Inf or NaN there makes this column's sum NaN (0 * Inf).
 // So the whole pass returns false when any of its sums is Inf or NaN, and the caller runs the task
 // again split (zeros only against zeros: exact, the same sums where both are finite). Split on
-// every band ran 0.79-0.86x (docs/cpu_kernels.md); a weight with a special is the rare case.
+// every band ran far slower (docs/cpu_kernels.md); a weight with a special is the rare case.
 // The weight is read band by band: 16 rows across the task's whole width, each row front to back,
 // while the next band is requested (software prefetch, 16 rows ahead); the sums of every 32-column
 // block stay in L1 between bands. Reading 128-byte column strips down all the rows instead, with or
