@@ -89,10 +89,17 @@ void for_each_expert(const std::vector<int64_t>& starts, int64_t min_rows, bool 
 // Rows of the GEMM that computes an expert of `rows` rows (see the top of the file).
 constexpr int64_t kRowQuantum = 32;
 constexpr int64_t kExactRows = 512;
+int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 int64_t gemm_rows(int64_t rows, bool sixteen_bit) {
   if (!sixteen_bit || rows >= kExactRows) return rows;
-  return (rows + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
+  return round_up(rows, kRowQuantum);
 }
+
+// The row stride a 16-bit GEMM's first operand gets for a reduction of `depth`: oneDNN's 16-bit
+// GEMMs read a row's values up to the depth rounded up to 32 (multiplied by zeros of their own), so
+// past an unaligned depth they read the next row's values, and an Inf or NaN there made this row's
+// products NaN. Rows this far apart, zero-padded, give those reads zeros.
+int64_t padded_depth(int64_t depth, bool sixteen_bit) { return sixteen_bit ? round_up(depth, kRowQuantum) : depth; }
 
 // A per-thread scratch matrix of at least rows x cols, reused across calls (grown when needed).
 // A tensor's storage: 64-byte aligned (a std::vector's 16-byte alignment made oneDNN slower).
@@ -117,23 +124,25 @@ void experts_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& grou
               "experts_mm: shapes do not match");
   const auto starts = starts_of(group_ends, a.size(0));
   const bool sixteen_bit = a.element_size() == 2;
+  const int64_t depth = a.size(1), ld = padded_depth(depth, sixteen_bit);
   for_each_expert(starts, min_rows, false, [&](int64_t e) {
     const int64_t m0 = starts[e], rows = starts[e + 1] - m0, padded = gemm_rows(rows, sixteen_bit);
     at::Tensor o = out.narrow(0, m0, rows);
-    if (padded == rows) {
+    if (padded == rows && ld == depth) {
       at::mm_out(o, a.narrow(0, m0, rows), b.select(0, e));
       return;
     }
     // The padding rows' products are dropped, but they are zero, not whatever memory held: with a
     // transposed b, oneDNN's product of an expert's last row came out NaN when the row after it
-    // held NaN (bfloat16, 100 rows padded to 128, K = 50, N = 2).
+    // held NaN (bfloat16, 100 rows padded to 128, K = 50, N = 2). So are the padding columns.
     thread_local at::Tensor a_buffer, out_buffer;
-    at::Tensor a_e = scratch(a_buffer, padded, a.size(1), a.options());
-    a_e.narrow(0, 0, rows).copy_(a.narrow(0, m0, rows));
+    at::Tensor a_e = scratch(a_buffer, padded, ld, a.options());
+    a_e.narrow(0, 0, rows).narrow(1, 0, depth).copy_(a.narrow(0, m0, rows));
+    if (ld > depth) a_e.narrow(0, 0, rows).narrow(1, depth, ld - depth).zero_();
     a_e.narrow(0, rows, padded - rows).zero_();
-    at::Tensor o_e = scratch(out_buffer, padded, out.size(1), out.options());
-    at::mm_out(o_e, a_e, b.select(0, e));
-    o.copy_(o_e.narrow(0, 0, rows));
+    at::Tensor o_e = padded == rows ? o : scratch(out_buffer, padded, out.size(1), out.options());
+    at::mm_out(o_e, a_e.narrow(1, 0, depth), b.select(0, e));
+    if (padded != rows) o.copy_(o_e.narrow(0, 0, rows));
   });
 }
 
@@ -159,10 +168,10 @@ void experts_mm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& g
     }
     // a^T into a per-thread buffer, padded with zero columns to the GEMM's rows: the padding's
     // products are summed, so both operands' padding is zero (0 x NaN from stale memory is NaN).
-    // The stride is even, which keeps the transpose on its vector path; past an odd count oneDNN
-    // read the stride's pad column, so that is zero too.
+    // The stride is a multiple of 32 (padded_depth), which keeps the transpose on its vector path;
+    // past an unaligned count oneDNN reads the stride's pad columns, so those are zero too.
     thread_local at::Tensor a_t_buffer, b_buffer;
-    const int64_t padded = gemm_rows(rows, true), ld = padded + padded % 2;
+    const int64_t padded = gemm_rows(rows, true), ld = padded_depth(padded, true);
     at::Tensor a_t = scratch(a_t_buffer, a.size(1), ld, a.options());
     moe_gmm_simd::transpose_16bit(static_cast<const uint16_t*>(a_e.const_data_ptr()), a.stride(0), rows, a.size(1),
                                   static_cast<uint16_t*>(a_t.data_ptr()), ld);

@@ -20,6 +20,8 @@
 //       spread into the pairs' first and second places (spread_product): twice the tile arithmetic,
 //       which few rows leave idle anyway. The weight is read in bands of 16 full rows with the
 //       next band prefetched. Faster than chunked_product at 4-16 rows, slower from 32 rows.
+//       The spread's zeros meet the other column's weights, so a task whose sums come out Inf or
+//       NaN runs again with the band's columns split (zeros only against zeros).
 // All three are ahead of a oneDNN loop on 64-row experts. With more rows per expert oneDNN, one
 // GEMM per expert on a thread of its own (experts_mm.cpp), catches up: the Python side gives each
 // kernel experts up to a row limit of its own (ops/backends/cpu/tuning.py) and the rest to
@@ -326,19 +328,100 @@ inline void prefetch_band(const uint16_t* rows, int64_t ldw, int lines) {
     for (int l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(rows + r * ldw) + 64 * l, _MM_HINT_T0);
 }
 
-// nn for one expert of at most 16 rows and the output columns [begin, end): out = a @ w with w's
-// rows loaded straight into B tiles, unpacked. A B tile row is then 16 pairs of adjacent *columns*
-// of one weight row, so each product runs twice, against a's values spread into the pairs' first
-// places (the even columns) and into their second (the odd ones): twice the tile arithmetic, which
-// few rows leave idle, and no packing of the weight.
+// One 32-column block of a band (16 weight rows, ldw apart) as two B tiles: `even` keeps each
+// pair's first value (the even column) with a zero in its second place, `odd` the other way round.
+// Each then meets the spread input's pairs with the zeros in the same places, so a zero only ever
+// multiplies a zero: with the weight loaded whole, the spread's zeros met the other column's
+// values, and an Inf or NaN there made this column's sums NaN (0 * Inf).
+inline void split_band_block(const uint16_t* src, int64_t ldw, uint16_t* even, uint16_t* odd) {
+  const __m512i first = _mm512_set1_epi32(0x0000FFFF);
+  for (int r = 0; r < kTileRows; ++r) {
+    const __m512i v = _mm512_loadu_si512(src + r * ldw);
+    _mm512_store_si512(even + r * kBlock, _mm512_and_si512(v, first));
+    _mm512_store_si512(odd + r * kBlock, _mm512_andnot_si512(first, v));
+  }
+  // The tile loads that read these copies are asm the compiler does not see reading memory: without
+  // this barrier it dropped the stores as dead (the next block's copy overwrites them).
+  asm volatile("" : : "r"(even), "r"(odd) : "memory");
+}
+
+// Whether any of 16 float32 is Inf or NaN (all exponent bits set).
+inline bool any_special(const float* v) {
+  const __m512i exponent = _mm512_set1_epi32(0x7F800000);
+  const __m512i bits = _mm512_and_si512(_mm512_loadu_si512(v), exponent);
+  return _mm512_cmpeq_epi32_mask(bits, exponent) != 0;
+}
+
+// Tiles 0-3 (+)= the even (4) and odd (5) spread inputs times two 32-column blocks of a band (16
+// weight rows, ldw apart, from src), requesting `next` (nullptr: none) as prefetch_band does. Whole:
+// each block's rows straight from memory into one B tile serving both products, the prefetch
+// issued after the tile loads (before them ran slower). Split: each block as two copies, the odd
+// and the even columns zeroed (split_band_block), one B tile each; `split` holds them.
+template <bool Split>
+inline void band_blocks_product(const uint16_t* src, int64_t ldw, const uint16_t* next, uint16_t* split) {
+  if constexpr (Split) {
+    if (next != nullptr) prefetch_band(next, ldw, 2);
+    uint16_t* odd = split + kTileRows * kBlock;
+    split_band_block(src, ldw, split, odd);
+    _tile_loadd(6, split, 64);
+    _tile_loadd(7, odd, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 7);
+    split_band_block(src + kBlock, ldw, split, odd);
+    _tile_loadd(6, split, 64);
+    _tile_loadd(7, odd, 64);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  } else {
+    _tile_loadd(6, src, ldw * 2);
+    _tile_loadd(7, src + kBlock, ldw * 2);
+    if (next != nullptr) prefetch_band(next, ldw, 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// Tiles 0-1 (+)= the same for one block.
+template <bool Split>
+inline void band_block_product(const uint16_t* src, int64_t ldw, const uint16_t* next, uint16_t* split) {
+  if constexpr (Split) {
+    if (next != nullptr) prefetch_band(next, ldw, 1);
+    uint16_t* odd = split + kTileRows * kBlock;
+    split_band_block(src, ldw, split, odd);
+    _tile_loadd(6, split, 64);
+    _tile_loadd(7, odd, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 7);
+  } else {
+    _tile_loadd(6, src, ldw * 2);
+    if (next != nullptr) prefetch_band(next, ldw, 1);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+  }
+}
+
+// nn for one expert of at most 16 rows and the output columns [begin, end): out = a @ w, the
+// weight unpacked: a B tile row is then 16 pairs of adjacent *columns* of one weight row, so each
+// product runs twice, against a's values spread into the pairs' first places (the even columns)
+// and into their second (the odd ones): twice the tile arithmetic, which few rows leave idle, and
+// no packing of the weight.
+// Whole (Split = false), the spread's zeros multiply the other column's weights: exact while those
+// are finite (0 * w adds nothing), but an Inf or NaN there makes this column's sum NaN (0 * Inf).
+// So the whole pass returns false when any of its sums is Inf or NaN, and the caller runs the task
+// again split (zeros only against zeros: exact, the same sums where both are finite). Split on
+// every band ran far slower (docs/cpu_kernels.md); a weight with a special is the rare case.
 // The weight is read band by band: 16 rows across the task's whole width, each row front to back,
 // while the next band is requested (software prefetch, 16 rows ahead); the sums of every 32-column
 // block stay in L1 between bands. Reading 128-byte column strips down all the rows instead, with or
 // without prefetches, streamed the weight more slowly.
-void spread_product(const uint16_t* even, const uint16_t* odd, int64_t ld, int64_t rows, const uint16_t* w, int64_t ldw,
+template <bool Split>
+bool spread_product(const uint16_t* even, const uint16_t* odd, int64_t ld, int64_t rows, const uint16_t* w, int64_t ldw,
                     int64_t begin, int64_t end, int64_t depth, uint16_t* out, int64_t ldo) {
   constexpr int64_t kTile = kTileRows * kTileRows;  // floats in one 16 x 16 tile
   thread_local std::vector<float> storage;
+  alignas(64) uint16_t split[2 * kTileRows * kBlock];  // a block's even and odd copies (Split)
   const int64_t blocks = (end - begin) / kBlock;
   storage.resize(blocks * 2 * kTile + 16);
   float* acc = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;  // 64-byte aligned
@@ -357,13 +440,8 @@ void spread_product(const uint16_t* even, const uint16_t* odd, int64_t ld, int64
         _tile_loadd(2, c + 2 * kTile, 64);
         _tile_loadd(3, c + 3 * kTile, 64);
       }
-      _tile_loadd(6, band + b * kBlock, ldw * 2);
-      _tile_loadd(7, band + b * kBlock + kBlock, ldw * 2);
-      if (k + kTileRows < depth) prefetch_band(band + kTileRows * ldw + b * kBlock, ldw, 2);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 5, 6);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
+      const uint16_t* next = k + kTileRows < depth ? band + kTileRows * ldw + b * kBlock : nullptr;
+      band_blocks_product<Split>(band + b * kBlock, ldw, next, split);
       _tile_stored(0, c, 64);
       _tile_stored(1, c + kTile, 64);
       _tile_stored(2, c + 2 * kTile, 64);
@@ -378,18 +456,21 @@ void spread_product(const uint16_t* even, const uint16_t* odd, int64_t ld, int64
         _tile_loadd(0, c, 64);
         _tile_loadd(1, c + kTile, 64);
       }
-      _tile_loadd(6, band + b * kBlock, ldw * 2);
-      if (k + kTileRows < depth) prefetch_band(band + kTileRows * ldw + b * kBlock, ldw, 1);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 5, 6);
+      const uint16_t* next = k + kTileRows < depth ? band + kTileRows * ldw + b * kBlock : nullptr;
+      band_block_product<Split>(band + b * kBlock, ldw, next, split);
       _tile_stored(0, c, 64);
       _tile_stored(1, c + kTile, 64);
     }
   }
+  bool special = false;
   for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t i = 0; i < rows; ++i)
-      store_interleaved(acc + b * 2 * kTile + i * kTileRows, acc + (b * 2 + 1) * kTile + i * kTileRows,
-                        out + i * ldo + begin + b * kBlock);
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* e = acc + b * 2 * kTile + i * kTileRows;
+      const float* o = acc + (b * 2 + 1) * kTile + i * kTileRows;
+      if constexpr (!Split) special |= any_special(e) || any_special(o);
+      store_interleaved(e, o, out + i * ldo + begin + b * kBlock);
+    }
+  return !special;
 }
 
 // One task per (expert, panel) for experts of at most max_rows rows; an empty expert has none
@@ -457,8 +538,10 @@ void amx_gemm_nn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& gro
     thread_local std::vector<uint32_t> even, odd;
     thread_local PreparedExpert spread;
     if (spread.stale(call, task.expert)) spread_rows(ap + m0 * lda, lda, rows, depth, even, odd);
-    spread_product(reinterpret_cast<const uint16_t*>(even.data()), reinterpret_cast<const uint16_t*>(odd.data()),
-                   2 * depth, rows, w, ldb, task.begin, task.end, depth, op + m0 * ldo, ldo);
+    const auto* e = reinterpret_cast<const uint16_t*>(even.data());
+    const auto* o = reinterpret_cast<const uint16_t*>(odd.data());
+    if (!spread_product<false>(e, o, 2 * depth, rows, w, ldb, task.begin, task.end, depth, op + m0 * ldo, ldo))
+      spread_product<true>(e, o, 2 * depth, rows, w, ldb, task.begin, task.end, depth, op + m0 * ldo, ldo);
   });
 #endif
 }

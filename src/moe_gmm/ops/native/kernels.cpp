@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -81,7 +82,7 @@ inline void narrow(const float* __restrict src, c10::Half* __restrict dst, int64
 // |x| <= 87, and plain arithmetic, so the compiler vectorises the loops that call it (std::exp
 // is a scalar libm call that made SwiGLU slower than torch's vectorised silu).
 // The exponent is clamped as an integer to the normal range, so exp never returns a denormal or
-// an infinity (|x| > 87 saturates; +-inf and NaN give NaN). A float clamp of x instead let the
+// an infinity (|x| > 87 saturates; +-inf give inf and 0, NaN gives NaN). A float clamp of x instead let the
 // compiler evaluate the clamped lanes' sigmoid as a denormal constant and multiply every vector by
 // it: a microcode assist per instruction that made the forward far slower on random data.
 inline float exp_approx(float x) {
@@ -96,7 +97,9 @@ inline float exp_approx(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   const int32_t e = std::min(std::max(static_cast<int32_t>(n), -126), 127);
-  return p * std::bit_cast<float>((e + 127) << 23);
+  const float result = p * std::bit_cast<float>((e + 127) << 23);
+  // exp(+inf) = inf and exp(-inf) = 0, as silu(+-inf) needs: the reduction alone gives inf - inf
+  return x == std::numeric_limits<float>::infinity() ? x : x == -std::numeric_limits<float>::infinity() ? 0.f : result;
 }
 
 inline float sigmoid(float v) { return 1.f / (1.f + exp_approx(-v)); }

@@ -29,7 +29,7 @@ from moe_gmm.ops.backends.cpu.kernels import (
     few_rows_product,
     native_grad_weight,
 )
-from moe_gmm.ops.backends.cpu.padded import padded_grad_weight, padded_product, release_workspace
+from moe_gmm.ops.backends.cpu.padded import pad_reduction, padded_grad_weight, padded_product, release_workspace
 from moe_gmm.ops.backends.cpu.planning import GmmPlan, loop_for, plan
 from moe_gmm.ops.backends.cpu.tuning import DEFAULT_TUNING, CpuTuning, current_tuning, use_tuning
 
@@ -58,6 +58,7 @@ def forward(x_MK: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Tensor)
     if out is not None:
         return out
     p = plan(host_bounds(group_ends_E), x_MK.dtype)
+    x_MK, w_EKN = pad_reduction(x_MK, w_EKN)  # torch's 16-bit GEMMs read past an unaligned K
     if p.strategy == "padded":
         return padded_product(x_MK, w_EKN, p)
     return loop_for(w_EKN, x_MK.shape[0], w_EKN.shape[2]).forward(x_MK, w_EKN, group_ends_E)
@@ -72,9 +73,10 @@ def grad_input(dy_MN: torch.Tensor, w_EKN: torch.Tensor, group_ends_E: torch.Ten
     if out is not None:
         return out
     p = plan(host_bounds(group_ends_E), dy_MN.dtype)
+    dy_MN, w_ENK = pad_reduction(dy_MN, w_EKN.transpose(1, 2))  # as in forward, N is reduced here
     if p.strategy == "padded":
-        return padded_product(dy_MN, w_EKN.transpose(1, 2), p)
-    return loop_for(w_EKN, dy_MN.shape[0], w_EKN.shape[1]).grad_input(dy_MN, w_EKN, group_ends_E)
+        return padded_product(dy_MN, w_ENK, p)
+    return loop_for(w_EKN, dy_MN.shape[0], w_EKN.shape[1]).grad_input(dy_MN, w_ENK.transpose(1, 2), group_ends_E)
 
 
 def grad_weight(x_MK: torch.Tensor, dy_MN: torch.Tensor, group_ends_E: torch.Tensor) -> torch.Tensor:

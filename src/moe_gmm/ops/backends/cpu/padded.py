@@ -20,7 +20,10 @@ from moe_gmm.ops.backends.cpu.planning import GmmPlan
 from moe_gmm.ops.backends.cpu.tuning import current_tuning
 from moe_gmm.ops.row_copy import gather_rows, zero_rows_
 
-__all__ = ["expert_chunks", "padded_grad_weight", "padded_product", "release_workspace"]
+__all__ = ["expert_chunks", "pad_reduction", "padded_grad_weight", "padded_product", "release_workspace"]
+
+# 16-bit reductions are zero-padded to a multiple of this many values (pad_reduction).
+_REDUCTION_ALIGN_16BIT = 32
 
 
 class _Workspace(threading.local):
@@ -110,6 +113,25 @@ def expert_chunks(p: GmmPlan, rows: int, width: int, dtype: torch.dtype) -> list
         (e0, min(e0 + step, len(p.counts)), bounds[e0], bounds[min(e0 + step, len(p.counts))])
         for e0 in range(0, len(p.counts), step)
     ]
+
+
+def pad_reduction(a_MR: torch.Tensor, w_ERJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``w`` with the reduced width R zero-padded to a multiple of 32 for 16-bit dtypes
+    (zero columns of ``a``, zero rows of ``w``: they add nothing to any sum); as they are otherwise.
+
+    oneDNN's 16-bit GEMMs read a row of ``a`` up to R rounded up to 32 and multiply the excess by
+    zeros of their own: past an unaligned R they read the next row, and an Inf or NaN there made
+    this row's products NaN (0 * Inf). A copy of both operands, for unaligned 16-bit shapes only.
+    """
+    width = a_MR.shape[1]
+    aligned = -(-width // _REDUCTION_ALIGN_16BIT) * _REDUCTION_ALIGN_16BIT
+    if a_MR.dtype.itemsize != 2 or aligned == width:
+        return a_MR, w_ERJ
+    a_pad = a_MR.new_zeros(a_MR.shape[0], aligned)
+    a_pad[:, :width] = a_MR
+    w_pad = w_ERJ.new_zeros(w_ERJ.shape[0], aligned, w_ERJ.shape[2])
+    w_pad[:, :width] = w_ERJ
+    return a_pad, w_pad
 
 
 def padded_product(a_MK: torch.Tensor, b_EKN: torch.Tensor, p: GmmPlan) -> torch.Tensor:
