@@ -150,3 +150,17 @@ def test_fused_adamw_refuses_a_gradient_whose_strides_differ_naming_the_paramete
 def test_make_adamw_names_a_bad_params_entry():
     with pytest.raises(TypeError, match="params"):
         make_adamw([torch.nn.Parameter(torch.randn(2)), "w"], lr=1e-3)
+
+
+def test_fused_adamw_accepts_a_gradient_differing_only_in_a_size_one_stride():
+    """A size-1 dimension's stride is never stepped, so it is no layout difference."""
+    w = torch.nn.Parameter(torch.randn(8, 1, 4))
+    opt = make_adamw([w], lr=1e-3)
+    w.grad = torch.randn(8, 4, 1).transpose(1, 2)  # strides (4, 1, 1) against the parameter's (4, 4, 1)
+    assert w.grad.stride() != w.stride()
+    ref = torch.nn.Parameter(w.detach().clone())
+    ref.grad = w.grad.contiguous()
+    reference = torch.optim.AdamW([ref], lr=1e-3, foreach=False)
+    opt.step()
+    reference.step()
+    torch.testing.assert_close(w.detach(), ref.detach(), rtol=1e-6, atol=1e-7)

@@ -107,7 +107,7 @@ def _check_grad_strides(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> N
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
             grad = p.grad
-            if grad is None or grad.stride() == p.stride():
+            if grad is None or _same_layout(grad, p):
                 continue
             name = names[i] if names else f"param_groups[{g}]['params'][{i}]"
             raise ValueError(
@@ -116,3 +116,8 @@ def _check_grad_strides(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> N
                 "its parameter's layout (torch.empty_like(p).copy_(grad)) or build the optimizer with "
                 "make_adamw after the parameters take their final layout"
             )
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` step through memory alike; a size-1 dimension's stride is never used."""
+    return all(sa == sb or size == 1 for size, sa, sb in zip(b.shape, a.stride(), b.stride()))
