@@ -182,7 +182,8 @@ def _named_backend(problems: Sequence[Problem], name: str) -> GmmBackend:
     reason = _refusal(backend, problems)
     if reason is not None:
         raise ValueError(f"backend={name!r} cannot run these inputs: {reason}; available here: {available_backends()}")
-    _log_choice(*problems[0], name, backend.name, [])
+    for x_MK, w_EKN in problems:
+        _log_choice(x_MK, w_EKN, name, backend.name, [])
     return backend
 
 
@@ -212,7 +213,8 @@ def select_backend(
         raise ValueError(
             f"no grouped-matmul backend accepts device={x_MK.device.type}, dtype={x_MK.dtype}: " + "; ".join(refusals)
         )
-    _log_choice(x_MK, w_EKN, name, picked, refusals)
+    for x, w in problems:  # one line per weight shape, as when each matmul chose alone
+        _log_choice(x, w, name, picked, refusals)
     return _registry[picked]
 
 
