@@ -8,8 +8,8 @@ by expert, both on the module's ``gate_up_proj`` / ``down_proj`` only:
 - ``"swiglu"``: ``GMM -> silu(gate) * up -> GMM`` (:func:`~moe_gmm.ops.expert_mlp`), for
   :class:`~moe_gmm.layers.GroupedExperts` and Hugging Face experts with concatenated ``[gate; up]``
   halves, SiLU and transformers' default ``_apply_gate``;
-- ``"module_gate"``: ``GMM -> module._apply_gate -> GMM [-> module.post_expert_norm]``, for other
-  gates (clamped SwiGLU as in DeepSeek-V4 or BailingHybrid, other activations, interleaved
+- ``"module_gate"``: ``GMM -> module._apply_gate -> GMM [-> module.post_expert_norm]`` (the same
+  pipeline with the module's gate plugged in, :func:`module_mlp`), for other gates (clamped SwiGLU as in DeepSeek-V4 or BailingHybrid, other activations, interleaved
   halves) and post-expert norms. It calls the module's own code on rows, as transformers' ``grouped_mm`` experts do, so
   the math is the module's by construction.
 
@@ -23,17 +23,15 @@ transformers is imported lazily: this module does not need it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.profiler import record_function
 
 from moe_gmm.ops.expert_mlp import expert_mlp
-from moe_gmm.ops.grouped_matmul import grouped_matmul
 
-__all__ = ["Support", "expert_mlp_support", "run_expert_mlp"]
+__all__ = ["Support", "expert_mlp_support", "module_mlp", "run_expert_mlp"]
 
 MlpKind = Literal["swiglu", "module_gate"]
 
@@ -88,6 +86,22 @@ def expert_mlp_support(module: nn.Module) -> Support:
     return Support("module_gate", f"{why}{norm}")
 
 
+def module_mlp(module: nn.Module, support: Support) -> dict[str, Any]:
+    """The activation, biases and post-norm that make :func:`~moe_gmm.ops.expert_mlp` compute ``module``'s
+    experts: nothing for ``"swiglu"`` (the fused op), the module's own ``_apply_gate`` (and
+    ``post_expert_norm``) for ``"module_gate"``; for a refused Hugging Face module (biases, no gate)
+    the same with its biases and ``act_fn``, which only the single-process drop-in runs."""
+    if support.mlp == "swiglu":
+        return {}
+    has_gate = getattr(module, "has_gate", True)
+    parts: dict[str, Any] = {"activation": module._apply_gate if has_gate else module.act_fn}
+    if getattr(module, "has_bias", False):
+        parts["biases"] = (module.gate_up_proj_bias if has_gate else module.up_proj_bias, module.down_proj_bias)
+    if getattr(module, "has_post_expert_norm", False):
+        parts["post"] = module.post_expert_norm
+    return parts
+
+
 def run_expert_mlp(
     module: nn.Module,
     support: Support,
@@ -107,16 +121,7 @@ def run_expert_mlp(
     """
     if not support.ok:
         raise ValueError(f"module cannot run on moe-gmm's expert MLP: {support.reason}")
-    gmm = {"fused": fused, "backend": backend, "validate": validate}
-    if support.mlp == "swiglu":
-        return expert_mlp(x_RH, counts_E, gate_up_EH2I, down_EIH, **gmm)
-    with record_function("moe::gmm"):
-        h = grouped_matmul(x_RH, gate_up_EH2I, counts_E, **gmm)
-    with record_function("moe::swiglu"):
-        # The module's own gate on whole rows: row-local, so any grouping of rows computes the same.
-        h = module._apply_gate(h)
-    with record_function("moe::gmm"):
-        y = grouped_matmul(h, down_EIH, counts_E, **gmm)
-    if getattr(module, "has_post_expert_norm", False):
-        y = module.post_expert_norm(y)
-    return y
+    return expert_mlp(
+        x_RH, counts_E, gate_up_EH2I, down_EIH, fused=fused, backend=backend, validate=validate,
+        **module_mlp(module, support),
+    )  # fmt: skip

@@ -30,12 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
-from moe_gmm.integrations.support import expert_mlp_support, run_expert_mlp
+from moe_gmm.integrations.support import expert_mlp_support, module_mlp
 from moe_gmm.layers.moe_block import MoeBlockConfig
-from moe_gmm.ops.grouped_matmul import grouped_matmul
-from moe_gmm.ops.permute import permute, unpermute
+from moe_gmm.ops.expert_mlp import routed_experts
 
 __all__ = [
     "ExpertsDescription",
@@ -68,9 +66,9 @@ def make_moe_gmm_experts_forward(*, backend: str | None = None, fused: bool = Tr
     :func:`~moe_gmm.integrations.support.expert_mlp_support`, the rule expert parallelism shares:
     plain SwiGLU experts (Qwen3.5-MoE, Qwen3-MoE, Mixtral, OLMoE, ...) take
     :func:`~moe_gmm.ops.expert_mlp`; other gates (clamped, interleaved halves, other activations)
-    and post-expert norms keep the grouped matmuls and call the module's own ``_apply_gate`` /
-    ``post_expert_norm`` in between. Modules the rule refuses (biases, no gate) run the same
-    grouped matmuls with the biases added and the module's own gate or activation.
+    and post-expert norms plug the module's own ``_apply_gate`` / ``post_expert_norm`` into the same
+    pipeline (:func:`~moe_gmm.ops.expert_mlp.routed_experts`). Modules the rule refuses (biases,
+    no gate) run it too, with the biases added and the module's own gate or activation.
     """
 
     def moe_gmm_experts_forward(
@@ -88,44 +86,17 @@ def make_moe_gmm_experts_forward(*, backend: str | None = None, fused: bool = Tr
             first, second = first.transpose(1, 2), second.transpose(1, 2)
         # Same rule as transformers' grouped_mm path: the input follows the weights' dtype (autocast).
         x_TH = hidden_states.to(first.dtype)
-        with record_function("moe::permute"):
-            # Ids come from the model's router top-k: in range by construction, no host sync.
-            permuted_RH, row_id_map_R, counts_E = permute(x_TH, top_k_index, self.num_experts, validate=False)
-        support = expert_mlp_support(self)
-        if support.ok:
-            out_RH = run_expert_mlp(self, support, permuted_RH, counts_E, first, second, fused=fused, backend=backend)
-        else:
-            gmm = {"fused": fused, "backend": backend, "validate": False}
-            out_RH = _generic_expert_mlp(self, permuted_RH, counts_E, first, second, gmm)
-        with record_function("moe::unpermute"):
-            out_TH = unpermute(out_RH, row_id_map_R, top_k_weights, validate=False)  # permute's own map
+        # Refused modules (biases, no gate) run the same pipeline with their biases and activation.
+        parts = module_mlp(self, expert_mlp_support(self))
+        out_TH, _ = routed_experts(
+            x_TH, top_k_index, top_k_weights, first, second, fused=fused, backend=backend,
+            validate_routing=False,  # ids come from the model's router top-k: in range, no host sync
+            **parts,
+        )  # fmt: skip
         return out_TH.to(hidden_states.dtype)
 
     moe_gmm_experts_forward.moe_gmm_settings = {"fused": fused, "backend": backend}  # read by describe_experts
     return moe_gmm_experts_forward
-
-
-def _generic_expert_mlp(self, x_RH, counts_E, first_EKN, second_EKN, gmm: dict[str, Any]) -> torch.Tensor:
-    """GMM -> the module's own gate or activation -> GMM, with optional biases and post-expert norm: the
-    fallback for experts the support rule refuses (biases, no gate)."""
-    expert_of_row_R = None
-    if self.has_bias:
-        expert_of_row_R = torch.repeat_interleave(
-            torch.arange(self.num_experts, device=x_RH.device), counts_E, output_size=x_RH.shape[0]
-        )
-    with record_function("moe::gmm"):
-        h = grouped_matmul(x_RH, first_EKN, counts_E, **gmm)
-    if expert_of_row_R is not None:
-        h = h + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[expert_of_row_R]
-    with record_function("moe::swiglu"):
-        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-    with record_function("moe::gmm"):
-        y = grouped_matmul(h, second_EKN, counts_E, **gmm)
-    if expert_of_row_R is not None:
-        y = y + self.down_proj_bias[expert_of_row_R]
-    if self.has_post_expert_norm:
-        y = self.post_expert_norm(y)
-    return y
 
 
 def register_moe_gmm_experts(name: str = "moe_gmm", *, backend: str | None = None, fused: bool = True) -> str:

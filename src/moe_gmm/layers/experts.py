@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
-from moe_gmm.ops.expert_mlp import expert_mlp
+from moe_gmm.ops.eager_path import label
+from moe_gmm.ops.expert_mlp import routed_experts
 from moe_gmm.ops.gather_gmm import moe_mlp_gather_scatter
-from moe_gmm.ops.permute import permute, unpermute
 
 __all__ = ["GroupedExperts"]
 
@@ -93,29 +92,20 @@ class GroupedExperts(nn.Module):
                 f"{tuple(top_k_index_Tk.shape)}"
             )
         if self.fused_permute:
-            with record_function("moe::gather_scatter_mlp"):
+            with label("moe::gather_scatter_mlp"):
                 out_TH = moe_mlp_gather_scatter(
                     hidden_TH, top_k_index_Tk, top_k_weights_Tk, self.gate_up_proj, self.down_proj,
                     validate=self.validate_routing,
                 )  # fmt: skip
             self.last_tokens_per_expert = torch.bincount(top_k_index_Tk.reshape(-1), minlength=self.num_experts)
             return out_TH
-        with record_function("moe::permute"):
-            permuted_RH, row_id_map_R, tokens_per_expert_E = permute(
-                hidden_TH, top_k_index_Tk, self.num_experts, validate=self.validate_routing
-            )
+        out_TH, tokens_per_expert_E = routed_experts(
+            hidden_TH, top_k_index_Tk, top_k_weights_Tk, self.gate_up_proj, self.down_proj,
+            fused=self.use_grouped_expert_matmul, backend=self.backend if self.use_grouped_expert_matmul else None,
+            validate_routing=self.validate_routing,
+        )  # fmt: skip
         self.last_tokens_per_expert = tokens_per_expert_E.detach()
-        expert_out_RH = expert_mlp(
-            permuted_RH,
-            tokens_per_expert_E,
-            self.gate_up_proj,
-            self.down_proj,
-            fused=self.use_grouped_expert_matmul,
-            backend=self.backend if self.use_grouped_expert_matmul else None,
-            validate=False,  # bincount output: non-negative and sums to R by construction
-        )
-        with record_function("moe::unpermute"):
-            return unpermute(expert_out_RH, row_id_map_R, top_k_weights_Tk, validate=False)  # permute's own map
+        return out_TH
 
     def extra_repr(self) -> str:
         return (

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from moe_gmm._validation import check_field_types
 from moe_gmm.layers.experts import GroupedExperts
 from moe_gmm.layers.router import TopKRouter, load_balancing_loss
+from moe_gmm.ops.eager_path import label
 
 __all__ = ["MoeBlockConfig", "SharedExpertMLP", "SparseMoeBlock"]
 
@@ -139,7 +139,7 @@ class SparseMoeBlock(nn.Module):
             )
         x_TH = hidden_states.reshape(-1, hidden)
 
-        with record_function("moe::router"):
+        with label("moe::router"):
             logits_TE, weights_Tk, indices_Tk = self.gate(x_TH)
             self.aux_loss = (
                 self.config.router_aux_loss_coef * load_balancing_loss(logits_TE, indices_Tk)
@@ -149,7 +149,7 @@ class SparseMoeBlock(nn.Module):
         out_TH = self.experts(x_TH, indices_Tk, weights_Tk)
 
         if self.shared_expert is not None:
-            with record_function("moe::shared_expert"):
+            with label("moe::shared_expert"):
                 shared_TH = self.shared_expert(x_TH) * torch.sigmoid(self.shared_expert_gate(x_TH))
             out_TH = out_TH + shared_TH
         return out_TH.view(hidden_states.shape)

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from moe_gmm.ops.backends import get_backend, select_backend
+from moe_gmm.ops.backends.base import cached_bounds, remember_bounds
+from moe_gmm.ops.eager_path import direct
 
-__all__ = ["GroupListType", "grouped_matmul", "normalize_group_list"]
+__all__ = ["GroupListType", "GroupRows", "group_rows", "grouped_matmul", "grouped_matmul_rows", "normalize_group_list"]
 
 GroupListType = Literal["count", "cumsum"]
 _GROUP_LIST_TYPES = ("count", "cumsum")
@@ -34,11 +37,25 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moe_gmm::grouped_matmul", mutates_args=())
-def _grouped_matmul_op(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+def _forward_body(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
     # Checked here, not only at the boundary: under torch.compile only the op's body runs.
     _check_row_ends(group_ends, num_rows=x.shape[0])
     return get_backend(backend).run_forward(x, weight, group_ends)
+
+
+def _grad_input_body(grad_out: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+    _check_row_ends(group_ends, num_rows=grad_out.shape[0])
+    return get_backend(backend).run_grad_input(grad_out, weight, group_ends)
+
+
+def _grad_weight_body(x: torch.Tensor, grad_out: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+    _check_row_ends(group_ends, num_rows=x.shape[0])
+    return get_backend(backend).run_grad_weight(x, grad_out, group_ends)
+
+
+@torch.library.custom_op("moe_gmm::grouped_matmul", mutates_args=())
+def _grouped_matmul_op(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+    return _forward_body(x, weight, group_ends, backend)
 
 
 @_grouped_matmul_op.register_fake
@@ -48,8 +65,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: 
 
 @torch.library.custom_op("moe_gmm::grouped_matmul_grad_input", mutates_args=())
 def _grad_input_op(grad_out: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
-    _check_row_ends(group_ends, num_rows=grad_out.shape[0])
-    return get_backend(backend).run_grad_input(grad_out, weight, group_ends)
+    return _grad_input_body(grad_out, weight, group_ends, backend)
 
 
 @_grad_input_op.register_fake
@@ -59,8 +75,7 @@ def _(grad_out: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, ba
 
 @torch.library.custom_op("moe_gmm::grouped_matmul_grad_weight", mutates_args=())
 def _grad_weight_op(x: torch.Tensor, grad_out: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
-    _check_row_ends(group_ends, num_rows=x.shape[0])
-    return get_backend(backend).run_grad_weight(x, grad_out, group_ends)
+    return _grad_weight_body(x, grad_out, group_ends, backend)
 
 
 @_grad_weight_op.register_fake
@@ -113,20 +128,46 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out: torch.Tensor):
     x, weight, group_ends = ctx.saved_tensors
+    # A graph-building backward (create_graph=True) or an observed one goes through the ops.
+    body = not torch.is_grad_enabled() and direct(grad_out)
+    grad_input = _grad_input_body if body else _grad_input_op
+    grad_weight = _grad_weight_body if body else _grad_weight_op
     grad_x = grad_w = None
     if ctx.needs_input_grad[0]:
-        grad_x = _grad_input_op(grad_out, weight, group_ends, ctx.backend)
+        grad_x = grad_input(grad_out, weight, group_ends, ctx.backend)
     if ctx.needs_input_grad[1]:
         if ctx.grad_weight_transposed:
             # dY_e^T X_e is (X_e^T dY_e)^T: the same kernel with the operands swapped writes the
             # [E, N, K] gradient directly, no transpose copy anywhere.
-            grad_w = _grad_weight_op(grad_out.contiguous(), x, group_ends, ctx.backend).mT
+            grad_w = grad_weight(grad_out.contiguous(), x, group_ends, ctx.backend).mT
         else:
-            grad_w = _grad_weight_op(x, grad_out, group_ends, ctx.backend)
+            grad_w = grad_weight(x, grad_out, group_ends, ctx.backend)
     return grad_x, grad_w, None, None
 
 
 torch.library.register_autograd("moe_gmm::grouped_matmul", _backward, setup_context=_setup_context)
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """The op's direct path (:mod:`moe_gmm.ops.eager_path`): its body with its own backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+        out = _forward_body(x, weight, group_ends, backend)
+        _setup_context(ctx, (x, weight, group_ends, backend), out)
+        return out
+
+    backward = staticmethod(_backward)
+
+
+def run_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, backend: str) -> torch.Tensor:
+    """``moe_gmm::grouped_matmul`` on checked operands, or its body directly where nothing observes the
+    dispatcher (:func:`~moe_gmm.ops.eager_path.direct`): the same kernels and checks either way."""
+    if not direct(x, weight):
+        return _grouped_matmul_op(x, weight, group_ends, backend)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _GroupedMatmul.apply(x, weight, group_ends, backend)
+    return _forward_body(x, weight, group_ends, backend)
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,7 +303,12 @@ def _check_row_ends(group_ends: torch.Tensor, *, num_rows: int) -> None:
     unknown), the boundary's host check stands alone there.
     """
     if group_ends.device.type == "cpu":
-        _raise_unless_tiled(group_ends.tolist(), num_rows)  # a list of E ints: cheaper than tensor ops
+        bounds = cached_bounds(group_ends)
+        if bounds is not None and bounds[-1] == num_rows:
+            return  # checked when first read: by the layer's normalisation or an earlier matmul
+        ends = group_ends.tolist()  # a list of E ints: cheaper than tensor ops
+        _raise_unless_tiled(ends, num_rows)
+        remember_bounds(group_ends, [0, *ends])  # only tiled ends are remembered
     elif group_ends.device.type == "cuda" and group_ends.numel() > 0:
         ok = (group_ends[0] >= 0) & (group_ends[-1] == num_rows) & (group_ends[1:] >= group_ends[:-1]).all()
         torch._assert_async(ok, "group_list must be counts >= 0 summing to x.shape[0] (row ends rising to it)")
@@ -318,6 +364,68 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"weight must hold at least one expert, got shape {tuple(weight.shape)}")
 
 
+@dataclass(frozen=True)
+class GroupRows:
+    """``group_list`` normalised once for a layer: every matmul of the layer reads this one value.
+
+    ``ends`` are int64 inclusive row ends on the rows' device (what the ops and kernels take);
+    ``bounds`` ``(0, end_0, ..., end_{E-1})`` are the same ends as host ints where reading them
+    costs no sync (CPU), else None. The ends are checked to tile ``[0, num_rows)`` when made, and
+    the ops find them checked (the bounds travel with the ends tensor).
+    """
+
+    ends: torch.Tensor
+    bounds: tuple[int, ...] | None
+    num_rows: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.ends.shape[0]
+
+
+def group_rows(
+    group_list: torch.Tensor | Sequence[int],
+    *,
+    num_experts: int,
+    num_rows: int,
+    device: torch.device,
+    group_list_type: GroupListType = "count",
+    validate: bool = True,
+) -> GroupRows:
+    """:func:`normalize_group_list` as a :class:`GroupRows`, for callers that run several matmuls on
+    the same rows; raises the same errors."""
+    ends = _group_ends(
+        group_list, num_experts=num_experts, num_rows=num_rows, group_list_type=group_list_type,
+        device=device, validate=validate,
+    )  # fmt: skip
+    bounds = None
+    if not torch.compiler.is_compiling():
+        _check_row_ends(ends, num_rows=num_rows)  # on CPU this reads and remembers the bounds
+        cached = cached_bounds(ends) if ends.device.type == "cpu" else None
+        bounds = None if cached is None else tuple(cached)
+    return GroupRows(ends=ends, bounds=bounds, num_rows=num_rows)
+
+
+def check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """The boundary's operand checks (types, ranks, dtype, device, K): what :func:`grouped_matmul` raises."""
+    _check_operands(x, weight)
+
+
+def grouped_matmul_rows(x: torch.Tensor, weight: torch.Tensor, rows: GroupRows, backend: str) -> torch.Tensor:
+    """One matmul of a layer whose rows were normalised (:func:`group_rows`) and whose backend was chosen
+    (``select_backend``) once: only the shapes that differ between the layer's matmuls are checked."""
+    if x.shape[0] != rows.num_rows or weight.shape[0] != rows.num_experts:
+        raise ValueError(
+            f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must have {rows.num_rows} rows and "
+            f"{rows.num_experts} experts (the layer's group_list)"
+        )
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"x.shape[1] (K) must equal weight.shape[1]: got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+        )
+    return run_grouped_matmul(x, weight, rows.ends, backend)
+
+
 def grouped_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -368,4 +476,4 @@ def grouped_matmul(
         validate=validate,
     )
     chosen = select_backend(x, weight, backend)
-    return _grouped_matmul_op(x, weight, group_ends, chosen.name)
+    return run_grouped_matmul(x, weight, group_ends, chosen.name)

@@ -29,9 +29,8 @@ kernels (``moe_gmm.ops.npu_fused``); the backward formulas are the same everywhe
 from __future__ import annotations
 
 import torch
-from torch.profiler import record_function
-
 from moe_gmm.ops import host_cache, native, npu_fused
+from moe_gmm.ops.eager_path import direct, label
 from moe_gmm.ops.row_copy import gather_rows
 
 __all__ = ["permute", "unpermute"]
@@ -106,8 +105,7 @@ def _weighted_slot_sum(src_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_T
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moe_gmm::permute", mutates_args=())
-def _permute_op(
+def _permute_body(
     hidden_TH: torch.Tensor, selected_experts_Tk: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     vendor = npu_fused.vendor_ops_for(hidden_TH)
@@ -143,6 +141,13 @@ def _permute_op(
     return permuted_RH, row_id_map_R, tokens_per_expert_E
 
 
+@torch.library.custom_op("moe_gmm::permute", mutates_args=())
+def _permute_op(
+    hidden_TH: torch.Tensor, selected_experts_Tk: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _permute_body(hidden_TH, selected_experts_Tk, num_experts)
+
+
 @_permute_op.register_fake
 def _(hidden_TH, selected_experts_Tk, num_experts):
     num_rows = selected_experts_Tk.shape[0] * selected_experts_Tk.shape[1]
@@ -164,7 +169,7 @@ def _permute_backward(ctx, grad_permuted_RH, _grad_row_id_map, _grad_counts):
     if grad_permuted_RH is None:
         return None, None, None
     (row_id_map_R,) = ctx.saved_tensors
-    with record_function("moe::permute_bwd"):
+    with label("moe::permute_bwd"):
         # Each token's grad is the sum of its k copies' grads: a gather + one reduction.
         grad_hidden_TH = _weighted_slot_sum(grad_permuted_RH, row_id_map_R, None, ctx.top_k)
     return grad_hidden_TH, None, None
@@ -173,13 +178,33 @@ def _permute_backward(ctx, grad_permuted_RH, _grad_row_id_map, _grad_counts):
 torch.library.register_autograd("moe_gmm::permute", _permute_backward, setup_context=_permute_setup_context)
 
 
+class _Permute(torch.autograd.Function):
+    """``moe_gmm::permute``'s direct path (:mod:`moe_gmm.ops.eager_path`): its body and backward."""
+
+    @staticmethod
+    def forward(ctx, hidden_TH: torch.Tensor, selected_experts_Tk: torch.Tensor, num_experts: int):
+        out = _permute_body(hidden_TH, selected_experts_Tk, num_experts)
+        ctx.mark_non_differentiable(out[1], out[2])
+        _permute_setup_context(ctx, (hidden_TH, selected_experts_Tk, num_experts), out)
+        return out
+
+    backward = staticmethod(_permute_backward)
+
+
+def _run_permute(hidden_TH: torch.Tensor, selected_experts_Tk: torch.Tensor, num_experts: int):
+    if not direct(hidden_TH, selected_experts_Tk):
+        return _permute_op(hidden_TH, selected_experts_Tk, num_experts)
+    if torch.is_grad_enabled() and hidden_TH.requires_grad:
+        return _Permute.apply(hidden_TH, selected_experts_Tk, num_experts)
+    return _permute_body(hidden_TH, selected_experts_Tk, num_experts)
+
+
 # --------------------------------------------------------------------------------------------
 # unpermute
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moe_gmm::unpermute", mutates_args=())
-def _unpermute_op(
+def _unpermute_body(
     expert_out_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_Tk: torch.Tensor, validate: bool = True
 ) -> torch.Tensor:
     if validate:  # here, not only at the boundary: under torch.compile only the op's body runs
@@ -188,6 +213,13 @@ def _unpermute_op(
     if vendor is not None:
         return npu_fused.unpermute_forward(vendor, expert_out_RH, row_id_map_R, probs_Tk)
     return _weighted_slot_sum(expert_out_RH, row_id_map_R, probs_Tk, probs_Tk.shape[1])
+
+
+@torch.library.custom_op("moe_gmm::unpermute", mutates_args=())
+def _unpermute_op(
+    expert_out_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_Tk: torch.Tensor, validate: bool = True
+) -> torch.Tensor:
+    return _unpermute_body(expert_out_RH, row_id_map_R, probs_Tk, validate)
 
 
 @_unpermute_op.register_fake
@@ -201,7 +233,7 @@ def _unpermute_setup_context(ctx, inputs, output) -> None:
 
 
 def _unpermute_backward(ctx, grad_out_TH):
-    with record_function("moe::unpermute_bwd"):
+    with label("moe::unpermute_bwd"):
         return _unpermute_grads(ctx, grad_out_TH)
 
 
@@ -298,6 +330,26 @@ def _grad_probs(
 
 
 torch.library.register_autograd("moe_gmm::unpermute", _unpermute_backward, setup_context=_unpermute_setup_context)
+
+
+class _Unpermute(torch.autograd.Function):
+    """``moe_gmm::unpermute``'s direct path (:mod:`moe_gmm.ops.eager_path`): its body and backward."""
+
+    @staticmethod
+    def forward(ctx, expert_out_RH, row_id_map_R, probs_Tk, validate: bool):
+        out = _unpermute_body(expert_out_RH, row_id_map_R, probs_Tk, validate)
+        _unpermute_setup_context(ctx, (expert_out_RH, row_id_map_R, probs_Tk, validate), out)
+        return out
+
+    backward = staticmethod(_unpermute_backward)
+
+
+def _run_unpermute(expert_out_RH, row_id_map_R, probs_Tk, validate: bool) -> torch.Tensor:
+    if not direct(expert_out_RH, row_id_map_R, probs_Tk):
+        return _unpermute_op(expert_out_RH, row_id_map_R, probs_Tk, validate)
+    if torch.is_grad_enabled() and (expert_out_RH.requires_grad or probs_Tk.requires_grad):
+        return _Unpermute.apply(expert_out_RH, row_id_map_R, probs_Tk, validate)
+    return _unpermute_body(expert_out_RH, row_id_map_R, probs_Tk, validate)
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,7 +480,7 @@ def permute(
         )
     if validate and not torch.compiler.is_compiling() and selected_experts_Tk.numel() > 0:
         _check_expert_ids(selected_experts_Tk, num_experts)
-    return _permute_op(hidden_TH, selected_experts_Tk, num_experts)
+    return _run_permute(hidden_TH, selected_experts_Tk, num_experts)
 
 
 def unpermute(
@@ -486,4 +538,4 @@ def unpermute(
             raise ValueError(f"{name} must be on expert_out_RH's device {expert_out_RH.device}, got {t.device}")
     if validate and row_id_map_R.device.type != "cpu" and not torch.compiler.is_compiling() and num_rows > 0:
         _check_row_id_map(row_id_map_R, num_rows)  # a ValueError in eager; on CPU the op makes this check
-    return _unpermute_op(expert_out_RH, row_id_map_R, probs_Tk, validate)
+    return _run_unpermute(expert_out_RH, row_id_map_R, probs_Tk, validate)

@@ -16,9 +16,8 @@ On an Ascend NPU with torch_npu the forward runs ``npu_swiglu`` (``moe_gmm.ops.n
 from __future__ import annotations
 
 import torch
-from torch.profiler import record_function
-
 from moe_gmm.ops import host_cache, native, npu_fused
+from moe_gmm.ops.eager_path import direct, label
 
 __all__ = ["swiglu"]
 
@@ -46,8 +45,7 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
 
 
-@torch.library.custom_op("moe_gmm::swiglu", mutates_args=())
-def _swiglu_op(x: torch.Tensor) -> torch.Tensor:
+def _swiglu_body(x: torch.Tensor) -> torch.Tensor:
     vendor = npu_fused.vendor_ops_for(x)
     if vendor is not None:
         return npu_fused.swiglu_forward(vendor, x)
@@ -63,6 +61,11 @@ def _swiglu_op(x: torch.Tensor) -> torch.Tensor:
         gate, up = x_R2I[r0:r1].to(acc).chunk(2, dim=-1)
         y_RI[r0:r1].copy_(torch.nn.functional.silu(gate).mul_(up))
     return y_RI.view(*x.shape[:-1], half)
+
+
+@torch.library.custom_op("moe_gmm::swiglu", mutates_args=())
+def _swiglu_op(x: torch.Tensor) -> torch.Tensor:
+    return _swiglu_body(x)
 
 
 @_swiglu_op.register_fake
@@ -108,13 +111,25 @@ def _swiglu_grad_differentiable(grad_out: torch.Tensor, x: torch.Tensor) -> torc
 
 def _backward(ctx, grad_out: torch.Tensor):
     (x,) = ctx.saved_tensors
-    with record_function("moe::swiglu_bwd"):
+    with label("moe::swiglu_bwd"):
         if torch.is_grad_enabled() and (x.requires_grad or grad_out.requires_grad):
             return _swiglu_grad_differentiable(grad_out, x)
         return _swiglu_grad(grad_out, x)
 
 
 torch.library.register_autograd("moe_gmm::swiglu", _backward, setup_context=_setup_context)
+
+
+class _Swiglu(torch.autograd.Function):
+    """``moe_gmm::swiglu``'s direct path (:mod:`moe_gmm.ops.eager_path`): its body and backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        out = _swiglu_body(x)
+        _setup_context(ctx, (x,), out)
+        return out
+
+    backward = staticmethod(_backward)
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -128,4 +143,8 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"x must have a floating dtype, got {str(x.dtype).removeprefix('torch.')}")
     if x.dim() == 0 or x.shape[-1] % 2 != 0:
         raise ValueError(f"x must have an even last dimension [..., 2I], got shape {tuple(x.shape)}")
-    return _swiglu_op(x)
+    if not direct(x):
+        return _swiglu_op(x)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Swiglu.apply(x)
+    return _swiglu_body(x)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
+from moe_gmm.ops.eager_path import label
 from moe_gmm.ops.permute import permute, unpermute
 from moe_gmm.parallel.comm import all_to_all, all_to_all_async, exchange_counts
 
@@ -152,11 +152,11 @@ class AllToAllDispatcher:
     def _permute(self, hidden_TH: torch.Tensor, ids_Tk: torch.Tensor, probs_Tk: torch.Tensor):
         self._check(hidden_TH, ids_Tk, probs_Tk)
         keys_Tk = self._chunk_keys(ids_Tk)
-        with record_function("moe::permute"):
+        with label("moe::permute"):
             x1_RH, row_id_map_R, counts_CE = permute(
                 hidden_TH, keys_Tk, self.num_chunks * self.num_experts, validate=False
             )
-        with record_function("moe::ep_route"):
+        with label("moe::ep_route"):
             chunks = self._routes(counts_CE)
         return x1_RH, Route(row_id_map_R, chunks)
 
@@ -170,7 +170,7 @@ class AllToAllDispatcher:
         """``(x_local [S, H] grouped by local expert, group_list [L], route)`` for :meth:`combine`."""
         x1_RH, route = self._permute(hidden_TH, ids_Tk, probs_Tk)
         (chunk,) = route.chunks
-        with record_function("moe::ep_dispatch"):
+        with label("moe::ep_dispatch"):
             x2_SH = all_to_all(x1_RH, chunk.output_splits, chunk.input_splits, self.group)
             x3_SH = x2_SH.index_select(0, chunk.order_S)
         return x3_SH, chunk.group_list_L, route
@@ -178,10 +178,10 @@ class AllToAllDispatcher:
     def combine(self, y3_SH: torch.Tensor, route: Route, probs_Tk: torch.Tensor) -> torch.Tensor:
         """Send the local experts' rows back and sum each token's k rows weighted by ``probs_Tk``."""
         (chunk,) = route.chunks
-        with record_function("moe::ep_combine"):
+        with label("moe::ep_combine"):
             y2_SH = y3_SH.index_select(0, chunk.inverse_order_S)
             y1_RH = all_to_all(y2_SH, chunk.input_splits, chunk.output_splits, self.group)
-        with record_function("moe::unpermute"):
+        with label("moe::unpermute"):
             return unpermute(y1_RH, route.row_id_map_R, probs_Tk, validate=False)  # permute's own map
 
     def __call__(
@@ -232,19 +232,19 @@ class OverlappedAllToAllDispatcher(AllToAllDispatcher):
         start = lambda c: all_to_all_async(
             sends[c], route.chunks[c].output_splits, route.chunks[c].input_splits, self.group
         )
-        with record_function("moe::ep_dispatch"):
+        with label("moe::ep_dispatch"):
             in_flight = start(0)
         combines = []
         for c, chunk in enumerate(route.chunks):
-            with record_function("moe::ep_dispatch"):
+            with label("moe::ep_dispatch"):
                 next_in_flight = start(c + 1) if c + 1 < self.num_chunks else None
                 x3_SH = in_flight.wait().index_select(0, chunk.order_S)
             y3_SH = expert_fn(x3_SH, chunk.group_list_L)
-            with record_function("moe::ep_combine"):
+            with label("moe::ep_combine"):
                 y2_SH = y3_SH.index_select(0, chunk.inverse_order_S)
                 combines.append(all_to_all_async(y2_SH, chunk.input_splits, chunk.output_splits, self.group))
             in_flight = next_in_flight
-        with record_function("moe::ep_combine"):
+        with label("moe::ep_combine"):
             y1_RH = torch.cat([h.wait() for h in combines])
-        with record_function("moe::unpermute"):
+        with label("moe::unpermute"):
             return unpermute(y1_RH, route.row_id_map_R, probs_Tk, validate=False)  # permute's own map

@@ -152,43 +152,70 @@ def _log_choice(x_MK: torch.Tensor, w_EKN: torch.Tensor, asked: str, picked: str
     )
 
 
-def _named_backend(x_MK: torch.Tensor, w_EKN: torch.Tensor, name: str) -> GmmBackend:
-    """The backend registered as ``name``, if it accepts these inputs."""
+Problem = tuple[torch.Tensor, torch.Tensor]  # (x_MK, w_EKN): one matmul a backend must accept
+
+
+def _refusal(backend: GmmBackend, problems: Sequence[Problem]) -> str | None:
+    """Why ``backend`` cannot run every one of ``problems`` (the first reason), or None."""
+    for x_MK, w_EKN in problems:
+        reason = backend.op_refusal(x_MK, w_EKN)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _verdicts(problems: Sequence[Problem], names: Sequence[str], *, first_only: bool) -> dict[str, str | None]:
+    """``{name: refusal reason or None}`` in ``names`` order: the one loop behind selection and
+    :func:`explain`; ``first_only`` stops at the first backend that accepts (what selection needs)."""
+    verdicts: dict[str, str | None] = {}
+    for name in names:
+        backend = _registry.get(name)
+        verdicts[name] = "not registered" if backend is None else _refusal(backend, problems)
+        if first_only and verdicts[name] is None:
+            break
+    return verdicts
+
+
+def _named_backend(problems: Sequence[Problem], name: str) -> GmmBackend:
+    """The backend registered as ``name``, if it accepts every problem."""
     backend = get_backend(name)
-    reason = backend.op_refusal(x_MK, w_EKN)
+    reason = _refusal(backend, problems)
     if reason is not None:
         raise ValueError(f"backend={name!r} cannot run these inputs: {reason}; available here: {available_backends()}")
-    _log_choice(x_MK, w_EKN, name, backend.name, [])
+    for x_MK, w_EKN in problems:
+        _log_choice(x_MK, w_EKN, name, backend.name, [])
     return backend
 
 
-def select_backend(x_MK: torch.Tensor, w_EKN: torch.Tensor, name: str | None = None) -> GmmBackend:
-    """The backend to run ``x_MK @ w_EKN`` on: ``name`` if given, else ``$MOE_GMM_BACKEND``, else auto."""
+def select_backend(
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, name: str | None = None, *, also: Sequence[Problem] = ()
+) -> GmmBackend:
+    """The backend to run ``x_MK @ w_EKN`` on: ``name`` if given, else ``$MOE_GMM_BACKEND``, else auto.
+
+    ``also`` lists further matmuls of the same layer (``(x, w)`` of the right shapes; a strided
+    stand-in is enough): the backend chosen must accept every one, so a layer chooses once.
+    """
     _load_builtins()
     name, source = _requested(name)
+    problems = ((x_MK, w_EKN), *also)
     if name != "auto":
         try:
-            return _named_backend(x_MK, w_EKN, name)
+            return _named_backend(problems, name)
         except ValueError as exc:
             if source == "argument":
                 raise
             # The caller passed nothing: the message must say where the name came from.
             raise ValueError(f"{source}: {exc}") from None
-    priority = AUTO_PRIORITY.get(x_MK.device.type, _DEFAULT_PRIORITY)
-    refusals = []
-    for candidate in priority:
-        backend = _registry.get(candidate)
-        if backend is None:
-            refusals.append(f"{candidate}: not registered")
-            continue
-        reason = backend.op_refusal(x_MK, w_EKN)
-        if reason is None:
-            _log_choice(x_MK, w_EKN, name, backend.name, refusals)
-            return backend
-        refusals.append(f"{candidate}: {reason}")
-    raise ValueError(
-        f"no grouped-matmul backend accepts device={x_MK.device.type}, dtype={x_MK.dtype}: " + "; ".join(refusals)
-    )
+    verdicts = _verdicts(problems, AUTO_PRIORITY.get(x_MK.device.type, _DEFAULT_PRIORITY), first_only=True)
+    refusals = [f"{n}: {reason}" for n, reason in verdicts.items() if reason is not None]
+    picked = next((n for n, reason in verdicts.items() if reason is None), None)
+    if picked is None:
+        raise ValueError(
+            f"no grouped-matmul backend accepts device={x_MK.device.type}, dtype={x_MK.dtype}: " + "; ".join(refusals)
+        )
+    for x, w in problems:  # one line per weight shape, as when each matmul chose alone
+        _log_choice(x, w, name, picked, refusals)
+    return _registry[picked]
 
 
 @dataclass(frozen=True)
@@ -263,7 +290,7 @@ def explain(
         get_backend(requested)  # an unknown name is an error, as in grouped_matmul
     order = AUTO_PRIORITY.get(x.device.type, _DEFAULT_PRIORITY)
     names = [n for n in order if n in _registry] + sorted(n for n in _registry if n not in order)
-    candidates = {name: _registry[name].refusal(x, weight) for name in names}
+    candidates = _verdicts(((x, weight),), names, first_only=False)
     if requested == "auto":
         chosen = next((name for name in names if name in order and candidates[name] is None), None)
     else:

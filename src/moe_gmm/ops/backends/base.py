@@ -136,9 +136,33 @@ def counts_from_ends(group_ends_E: torch.Tensor) -> torch.Tensor:
     return group_ends_E - starts_E
 
 
+# Attribute of a group-ends tensor holding ``(its version, its host bounds)``: the bounds are read
+# once per layer, not once per matmul and strategy (an in-place change bumps the version).
+_BOUNDS_ATTR = "_moe_gmm_host_bounds"
+
+
+def cached_bounds(group_ends_E: torch.Tensor) -> list[int] | None:
+    """The host bounds remembered for these ends by :func:`remember_bounds`, if still current."""
+    entry = getattr(group_ends_E, _BOUNDS_ATTR, None)
+    if entry is not None and entry[0] == group_ends_E._version:
+        return entry[1]
+    return None
+
+
+def remember_bounds(group_ends_E: torch.Tensor, bounds: list[int]) -> None:
+    """Keep ``bounds`` with the ends (not for inference tensors, which have no version to check)."""
+    if not group_ends_E.is_inference():
+        setattr(group_ends_E, _BOUNDS_ATTR, (group_ends_E._version, bounds))
+
+
 def host_bounds(group_ends_E: torch.Tensor) -> list[int]:
     """``[0, end_0, ..., end_{E-1}]`` as Python ints.
 
-    Host sync: reads the group ends back from the device. Loop-style backends need it to slice.
+    Host sync: reads the group ends back from the device, unless the layer's normalisation or an
+    earlier matmul already did (:func:`cached_bounds`). Loop-style backends need it to slice.
     """
-    return [0, *group_ends_E.tolist()]
+    bounds = cached_bounds(group_ends_E)
+    if bounds is None:
+        bounds = [0, *group_ends_E.tolist()]
+        remember_bounds(group_ends_E, bounds)
+    return bounds
