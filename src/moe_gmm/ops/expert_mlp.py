@@ -23,7 +23,14 @@ import torch
 
 from moe_gmm.ops.backends import select_backend
 from moe_gmm.ops.eager_path import label
-from moe_gmm.ops.grouped_matmul import GroupListType, GroupRows, check_operands, group_rows, grouped_matmul_rows
+from moe_gmm.ops.grouped_matmul import (
+    GroupListType,
+    GroupRows,
+    check_operands,
+    group_rows,
+    grouped_matmul_rows,
+    requested_backend,
+)
 from moe_gmm.ops.permute import permute, unpermute
 from moe_gmm.ops.swiglu import swiglu
 
@@ -102,14 +109,7 @@ def expert_mlp(
     if activation is None:
         _check_swiglu_weights(gate_up_EH2I, down_EIH)
     check_operands(x_RH, gate_up_EH2I)
-    if not isinstance(fused, bool):
-        raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be a str or None, got {type(backend).__name__} {backend!r}")
-    if not fused:
-        if backend not in (None, "eager"):
-            raise ValueError(f"fused=False runs the eager reference; it conflicts with backend={backend!r}")
-        backend = "eager"
+    backend = requested_backend(fused, backend)
     rows = group_rows(
         group_list_E, num_experts=gate_up_EH2I.shape[0], num_rows=x_RH.shape[0], device=x_RH.device,
         group_list_type=group_list_type, validate=validate,

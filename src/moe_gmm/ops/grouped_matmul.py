@@ -459,14 +459,7 @@ def grouped_matmul(
         ``[M, N]`` in the input dtype; products accumulate in float32 (float64 for float64).
     """
     _check_operands(x, weight)
-    if not isinstance(fused, bool):
-        raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be a str or None, got {type(backend).__name__} {backend!r}")
-    if not fused:
-        if backend not in (None, "eager"):
-            raise ValueError(f"fused=False runs the eager reference; it conflicts with backend={backend!r}")
-        backend = "eager"
+    backend = requested_backend(fused, backend)
     group_ends = _group_ends(  # the row ends are checked inside the custom ops, compiled or not
         group_list,
         num_experts=weight.shape[0],
@@ -477,3 +470,17 @@ def grouped_matmul(
     )
     chosen = select_backend(x, weight, backend)
     return run_grouped_matmul(x, weight, group_ends, chosen.name)
+
+
+def requested_backend(fused: bool, backend: str | None) -> str | None:
+    """The backend a call asks for: ``"eager"`` when ``fused`` is False (which ``backend`` may not
+    contradict), else ``backend`` (None: auto)."""
+    if not isinstance(fused, bool):
+        raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__} {backend!r}")
+    if fused:
+        return backend
+    if backend not in (None, "eager"):
+        raise ValueError(f"fused=False runs the eager reference; it conflicts with backend={backend!r}")
+    return "eager"
