@@ -31,12 +31,19 @@ from __future__ import annotations
 import torch
 from moe_gmm.ops import host_cache, native, npu_fused
 from moe_gmm.ops.eager_path import direct, label
+from moe_gmm.ops.permute_checks import (
+    check_expert_ids,
+    check_flag,
+    check_float,
+    check_index,
+    check_row_id_map,
+    check_row_id_map_in_op,
+    dtype_name,
+)
 from moe_gmm.ops.row_copy import gather_rows
 
 __all__ = ["permute", "unpermute"]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 # tokens_per_expert holds one int64 per expert. Models have hundreds to a few thousand experts; a
 # bound far above them refuses a mistyped count before the allocator fails on it.
 MAX_NUM_EXPERTS = 2**20
@@ -44,10 +51,6 @@ MAX_NUM_EXPERTS = 2**20
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # Rows are widened to float32 and reduced a chunk at a time, so the float32 copy stays in cache
@@ -128,7 +131,7 @@ def _permute_body(
     flat_ids_R = selected_experts_Tk.reshape(-1).to(torch.int64)
     if flat_ids_R.device.type == "cpu" and flat_ids_R.numel() > 0:
         # Whatever validate said: free on the host (elsewhere bincount refuses a negative id below).
-        _check_expert_ids(flat_ids_R, num_experts)
+        check_expert_ids(flat_ids_R, num_experts)
     # order_R[r] = flat (token, slot) index that lands on row r; stable sort keeps (token, slot)
     # order inside each expert. O(R log R) on device, no per-token Python work.
     order_R = torch.sort(flat_ids_R, stable=True).indices
@@ -208,7 +211,7 @@ def _unpermute_body(
     expert_out_RH: torch.Tensor, row_id_map_R: torch.Tensor, probs_Tk: torch.Tensor, validate: bool = True
 ) -> torch.Tensor:
     if validate:  # here, not only at the boundary: under torch.compile only the op's body runs
-        _check_row_id_map_in_op(row_id_map_R, probs_Tk.shape[0] * probs_Tk.shape[1])
+        check_row_id_map_in_op(row_id_map_R, probs_Tk.shape[0] * probs_Tk.shape[1])
     vendor = npu_fused.vendor_ops_for(expert_out_RH)
     if vendor is not None:
         return npu_fused.unpermute_forward(vendor, expert_out_RH, row_id_map_R, probs_Tk)
@@ -357,84 +360,6 @@ def _run_unpermute(expert_out_RH, row_id_map_R, probs_Tk, validate: bool) -> tor
 # --------------------------------------------------------------------------------------------
 
 
-def _check_float(name: str, t: torch.Tensor, dim: int, shape_doc: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} must have a floating dtype in {[_dtype_name(d) for d in _FLOAT_DTYPES]}, got {_dtype_name(t.dtype)}"
-        )
-    if t.dim() != dim:
-        raise ValueError(f"{name} must be {dim}-D {shape_doc}, got shape {tuple(t.shape)}")
-
-
-def _check_index(name: str, t: torch.Tensor, dim: int, shape_doc: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"{name} must be an int32 or int64 tensor, got dtype {_dtype_name(t.dtype)}")
-    if t.dim() != dim:
-        raise ValueError(f"{name} must be {dim}-D {shape_doc}, got shape {tuple(t.shape)}")
-
-
-def _check_flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-
-
-def _check_expert_ids(selected_experts_Tk: torch.Tensor, num_experts: int) -> None:
-    # Host sync on an accelerator: the id range is data.
-    lo, hi = (int(v) for v in torch.aminmax(selected_experts_Tk))
-    if lo < 0 or hi >= num_experts:
-        bad = lo if lo < 0 else hi
-        where = torch.nonzero(selected_experts_Tk == bad)[0].tolist()
-        raise ValueError(
-            f"selected_experts_Tk ids must lie in [0, num_experts={num_experts}), got {bad} at index {tuple(where)}"
-        )
-
-
-def _check_row_id_map(row_id_map_R: torch.Tensor, num_rows: int) -> None:
-    """Values in ``[0, R)`` and every row used once: what both ops index memory with."""
-    # Host syncs on an accelerator (validate=True asks for them): the map's values are data.
-    lo, hi = (int(v) for v in torch.aminmax(row_id_map_R))
-    if lo < 0 or hi >= num_rows:
-        outside = (row_id_map_R < 0) | (row_id_map_R >= num_rows)
-        bad = int(torch.nonzero(outside)[0, 0])
-        raise ValueError(
-            f"row_id_map_R values must lie in [0, R = {num_rows}) (rows of expert_out_RH), "
-            f"got row_id_map_R[{bad}] = {int(row_id_map_R[bad])}"
-        )
-    seen = torch.zeros(num_rows, dtype=torch.bool, device=row_id_map_R.device)
-    seen.index_fill_(0, row_id_map_R, True)
-    if not bool(seen.all()):
-        unused = int(torch.nonzero(~seen)[0, 0])
-        raise ValueError(
-            f"row_id_map_R must be a permutation of range({num_rows}) as returned by permute: row {unused} "
-            f"is never referenced, so another is referenced twice"
-        )
-
-
-def _check_row_id_map_in_op(row_id_map_R: torch.Tensor, num_rows: int) -> None:
-    """The permutation check where the map lives, without a host sync on an accelerator.
-
-    CPU: :func:`_check_row_id_map` (reading values there costs no sync). CUDA: one asynchronous
-    device-side assert that the values lie in ``[0, R)`` and cover every row. Other devices:
-    unchecked here (their support of that assert is unknown); the boundary's host check covers
-    eager calls there.
-    """
-    if num_rows == 0:
-        return
-    if row_id_map_R.device.type == "cpu":
-        _check_row_id_map(row_id_map_R, num_rows)
-    elif row_id_map_R.device.type == "cuda":
-        in_range = (row_id_map_R >= 0) & (row_id_map_R < num_rows)
-        seen = torch.zeros(num_rows, dtype=torch.bool, device=row_id_map_R.device)
-        seen.index_fill_(0, torch.where(in_range, row_id_map_R, 0), True)
-        torch._assert_async(
-            in_range.all() & seen.all(), "row_id_map_R must be a permutation of range(T*k) as returned by permute"
-        )
-
-
 def permute(
     hidden_TH: torch.Tensor,
     selected_experts_Tk: torch.Tensor,
@@ -460,13 +385,13 @@ def permute(
         slot-j copy) and ``tokens_per_expert_E`` ``[E]`` int64 on hidden's device (the
         ``group_list`` for :func:`~moe_gmm.grouped_matmul`). Differentiable in ``hidden_TH``.
     """
-    _check_float("hidden_TH", hidden_TH, 2, "[T, H]")
-    _check_index("selected_experts_Tk", selected_experts_Tk, 2, "[T, k]")
+    check_float("hidden_TH", hidden_TH, 2, "[T, H]")
+    check_index("selected_experts_Tk", selected_experts_Tk, 2, "[T, k]")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int):
         raise TypeError(f"num_experts must be a positive int, got {type(num_experts).__name__} {num_experts!r}")
     if not 1 <= num_experts <= MAX_NUM_EXPERTS:
         raise ValueError(f"num_experts must be an int in [1, {MAX_NUM_EXPERTS}], got {num_experts!r}")
-    _check_flag("validate", validate)
+    check_flag("validate", validate)
     if selected_experts_Tk.shape[0] != hidden_TH.shape[0]:
         raise ValueError(
             f"selected_experts_Tk.shape[0] must equal hidden_TH.shape[0] (T): got {tuple(selected_experts_Tk.shape)} "
@@ -479,7 +404,7 @@ def permute(
             f"selected_experts_Tk must be on hidden_TH's device {hidden_TH.device}, got {selected_experts_Tk.device}"
         )
     if validate and not torch.compiler.is_compiling() and selected_experts_Tk.numel() > 0:
-        _check_expert_ids(selected_experts_Tk, num_experts)
+        check_expert_ids(selected_experts_Tk, num_experts)
     return _run_permute(hidden_TH, selected_experts_Tk, num_experts)
 
 
@@ -513,12 +438,12 @@ def unpermute(
         float64) in a fixed order, so it is deterministic. Differentiable in ``expert_out_RH``
         and ``probs_Tk``.
     """
-    _check_float("expert_out_RH", expert_out_RH, 2, "[T*k, H]")
-    _check_float("probs_Tk", probs_Tk, 2, "[T, k]")
-    _check_index("row_id_map_R", row_id_map_R, 1, "[T*k]")
-    _check_flag("validate", validate)
+    check_float("expert_out_RH", expert_out_RH, 2, "[T*k, H]")
+    check_float("probs_Tk", probs_Tk, 2, "[T, k]")
+    check_index("row_id_map_R", row_id_map_R, 1, "[T*k]")
+    check_flag("validate", validate)
     if row_id_map_R.dtype != torch.int64:
-        raise TypeError(f"row_id_map_R must be int64 (as returned by permute), got {_dtype_name(row_id_map_R.dtype)}")
+        raise TypeError(f"row_id_map_R must be int64 (as returned by permute), got {dtype_name(row_id_map_R.dtype)}")
     if top_k is not None:
         if isinstance(top_k, bool) or not isinstance(top_k, int):
             raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__} {top_k!r}")
@@ -537,5 +462,5 @@ def unpermute(
         if t.device != expert_out_RH.device:
             raise ValueError(f"{name} must be on expert_out_RH's device {expert_out_RH.device}, got {t.device}")
     if validate and row_id_map_R.device.type != "cpu" and not torch.compiler.is_compiling() and num_rows > 0:
-        _check_row_id_map(row_id_map_R, num_rows)  # a ValueError in eager; on CPU the op makes this check
+        check_row_id_map(row_id_map_R, num_rows)  # a ValueError in eager; on CPU the op makes this check
     return _run_unpermute(expert_out_RH, row_id_map_R, probs_Tk, validate)
