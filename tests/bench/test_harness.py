@@ -15,13 +15,12 @@ from moe_gmm.bench.harness import (
     Unsupported,
     Workload,
     case_rate_note,
-    restores_threads,
     run_benchmark,
-    set_threads,
     summarize,
     time_interleaved,
     timing_from_samples,
 )
+from moe_gmm.bench.runner import restores_threads, set_threads
 from moe_gmm.bench.machine import (
     CPU_BACKEND,
     TORCH_MM,

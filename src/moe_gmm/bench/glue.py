@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from moe_gmm.bench.harness import TimingSettings, restores_threads, set_threads, time_interleaved
+from moe_gmm.bench.harness import TimingSettings, time_interleaved
+from moe_gmm.bench.runner import restores_threads, set_threads
 from moe_gmm.bench.machine import describe_machine, measure_copy_bandwidth
 from moe_gmm.bench.table import markdown_table, write_outputs
 from moe_gmm.ops import native

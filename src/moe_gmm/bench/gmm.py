@@ -32,12 +32,14 @@ from moe_gmm.bench.harness import (
     TimingSettings,
     Unsupported,
     Workload,
-    add_run_arguments,
     case_rate_note,
-    maybe_progress,
     recheck_calibration,
-    restores_threads,
     run_benchmark,
+)
+from moe_gmm.bench.runner import (
+    add_run_arguments,
+    maybe_progress,
+    restores_threads,
     set_threads,
     split_choices,
     warning_printer,

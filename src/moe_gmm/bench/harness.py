@@ -18,17 +18,15 @@ upstream gradient is a fixed contiguous random tensor.
 
 from __future__ import annotations
 
-import functools
 import gc
 import json
 import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, ParamSpec, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -313,11 +311,6 @@ def _beating_the_floor(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("x_floor") is not None and r["x_floor"] < 1.0]
 
 
-def warning_printer(console: Any) -> Callable[[str], None]:
-    """``say(line)`` printing a warning on a rich console as plain text (case names hold brackets)."""
-    return lambda line: console.print(line, style="yellow", markup=False, highlight=False)
-
-
 def recheck_calibration(report: BenchReport, remeasure: Callable[[], Limits], say: Callable[[str], None]) -> None:
     """When a row beats its floor, measure the limits again and keep the higher of each, then add a
     note saying so; a row still under its floor afterwards is flagged as an unreliable floor.
@@ -503,76 +496,3 @@ def _run_case(
             rows.append(row)
     del workloads, inputs
     return rows
-
-
-def maybe_progress(enabled: bool):
-    """A transient ``rich`` progress bar on stderr, or a null context with ``None``."""
-    if not enabled:
-        return nullcontext(None)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-
-
-_P = ParamSpec("_P")
-
-
-def set_threads(threads: int | None) -> None:
-    """Apply a runner's ``--threads`` (None: keep torch's count); its entry point restores the count."""
-    if threads is None:
-        return
-    if threads < 1:
-        raise SystemExit(f"--threads must be >= 1, got {threads}")
-    torch.set_num_threads(threads)
-
-
-def restores_threads(main: Callable[_P, int]) -> Callable[_P, int]:
-    """Wrap a runner's ``main`` so the torch thread count it found is back when it returns or raises.
-
-    The runners are called in-process too (tests, ``moe-gmm bench``); a count left behind would
-    change the speed and the reduction order of everything that runs after them.
-    """
-
-    @functools.wraps(main)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> int:
-        before = torch.get_num_threads()
-        try:
-            return main(*args, **kwargs)
-        finally:
-            if torch.get_num_threads() != before:
-                torch.set_num_threads(before)
-
-    return wrapper
-
-
-def split_choices(text: str, allowed: Iterable[str], what: str) -> list[str]:
-    """Parse a comma list from the command line, every item one of ``allowed`` (else exit with usage)."""
-    allowed = list(allowed)
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in items if s not in allowed]
-    if bad or not items:
-        raise SystemExit(f"{what}: expected a comma list of {sorted(allowed)}, got {text!r}")
-    return items
-
-
-def add_run_arguments(parser) -> None:
-    """The options every benchmark runner shares: repeats, outputs, threads, progress, baselines."""
-    parser.add_argument("--repeats", type=int, default=None, help="minimum timed repeats per implementation")
-    parser.add_argument("--out", default=None, help="write the run's JSON here (e.g. out/bench/gmm.json)")
-    parser.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument(
-        "--compare", default=None, metavar="BASELINE", help="print the rows improved / regressed against a baseline"
-    )
-    parser.add_argument(
-        "--baseline-out", default=None, metavar="FILE", help="write this run's summary rows into a baseline file"
-    )

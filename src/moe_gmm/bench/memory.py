@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from moe_gmm.bench.harness import Workload, _timed_callable, restores_threads, set_threads
+from moe_gmm.bench.harness import Workload, _timed_callable
+from moe_gmm.bench.runner import restores_threads, set_threads
 from moe_gmm.bench.layer_cases import IMPLS, MoeLayerCase, layer_impls
 from moe_gmm.bench.machine import DTYPE_NAMES
 from moe_gmm.bench.table import markdown_table

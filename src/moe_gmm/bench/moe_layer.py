@@ -30,15 +30,17 @@ from moe_gmm.bench import train_step
 from moe_gmm.bench.compare import apply_baseline_options, check_baseline_options
 from moe_gmm.bench.harness import (
     TimingSettings,
-    add_run_arguments,
     case_rate_note,
-    maybe_progress,
     recheck_calibration,
-    restores_threads,
     run_benchmark,
+    time_interleaved,
+)
+from moe_gmm.bench.runner import (
+    add_run_arguments,
+    maybe_progress,
+    restores_threads,
     set_threads,
     split_choices,
-    time_interleaved,
     warning_printer,
 )
 from moe_gmm.bench.layer_cases import CASE_SETS, DEFAULT_IMPLS, IMPLS, MoeLayerCase, case_set, layer_impls

@@ -715,7 +715,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 def run_from_args(args, cases: Sequence[MoeLayerCase], dtypes: Sequence[torch.dtype], settings, console) -> dict:
     """Run the train mode as the layer benchmark's arguments ask, print its tables, return the result."""
-    from moe_gmm.bench.harness import split_choices
+    from moe_gmm.bench.runner import split_choices
 
     modes = split_choices(args.train_modes, TRAIN_MODES, "--train-modes")
     impls = split_choices(args.train_impls, TRAIN_IMPLS, "--train-impls")
